@@ -1,0 +1,115 @@
+"""The pipeline-facing commands: build, quantize, plan (registered on the main group)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from kiln.cli.main import cli, err, handle_errors, load, out, set_option, strict_option
+from kiln.pipeline.registry import STEP_ORDER
+from kiln.util.errors import InputError
+
+STEPS = click.Choice(list(STEP_ORDER))
+
+
+def layout_options(fn):
+    fn = click.option("--build-dir", type=click.Path(path_type=Path), default=Path("build"), show_default=True,
+                      help="Where step outputs go (build/<recipe>/<step>/).")(fn)
+    fn = click.option("--repo-dir", type=click.Path(path_type=Path), default=Path("triton_repo"),
+                      show_default=True, help="Where packaged Triton repositories go.")(fn)
+    return fn
+
+
+def _run_build(recipe: str, overrides, strict, from_step, to_step, force, dry_run, build_dir, repo_dir,
+               as_json: bool, quiet: bool) -> None:
+    from kiln.pipeline.runner import Layout, describe_plan, plan, render_summary, run, summary_json
+
+    loaded = load(recipe, overrides, strict)
+    layout = Layout(build_dir, repo_dir)
+    if dry_run:
+        describe_plan(plan(loaded, layout, force, from_step, to_step), loaded, out)
+        return
+    summary = run(loaded, layout, force, from_step, to_step, console=err, progress=not quiet)
+    if as_json:
+        click.echo(summary_json(summary))
+    else:
+        render_summary(summary, err)
+    if summary.failure is not None:
+        err.print(f"error: {summary.failure}", style="red", markup=False)
+        sys.exit(summary.failure.exit_code)
+    if loaded.recipe.target == "reference" and any(o.name == "package" and o.status in ("ran", "skipped")
+                                                   for o in summary.outcomes):
+        err.print("note: target 'reference' serves the quantized model with PyTorch on CPU — a test and "
+                  "development vehicle with the tensorrt_llm tensor contract, not the fast path.", style="dim")
+
+
+@cli.command()
+@click.argument("recipe")
+@set_option
+@strict_option
+@click.option("--from", "from_step", type=STEPS, help="Re-run from this step (earlier steps must be current).")
+@click.option("--to", "to_step", type=STEPS, help="Stop after this step.")
+@click.option("--force", is_flag=True, help="Re-run every step, even if up to date.")
+@click.option("--dry-run", is_flag=True, help="Print the plan (run/skip and why, the exact engine build command).")
+@click.option("--json", "as_json", is_flag=True, help="Print the run summary as JSON on stdout.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+@layout_options
+@handle_errors
+def build(recipe, overrides, strict, from_step, to_step, force, dry_run, as_json, quiet, build_dir, repo_dir):
+    """Build RECIPE: resolve → quantize → evaluate → build (engine) → package, skipping what is up to date."""
+    _run_build(recipe, overrides, strict, from_step, to_step, force, dry_run, build_dir, repo_dir, as_json, quiet)
+
+
+@cli.command()
+@click.argument("recipe")
+@set_option
+@strict_option
+@click.option("--force", is_flag=True, help="Re-run even if up to date.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+@layout_options
+@handle_errors
+def quantize(recipe, overrides, strict, force, quiet, build_dir, repo_dir):
+    """Quantize RECIPE and measure its quality (kiln build --to evaluate)."""
+    _run_build(recipe, overrides, strict, None, "evaluate", force, False, build_dir, repo_dir, False, quiet)
+
+
+@cli.command(name="plan")
+@click.argument("recipe")
+@set_option
+@click.option("--gpu", help="GPU to plan for (default: the recipe's hardware.gpu).")
+@click.option("--count", type=int, help="GPUs available (default: the recipe's hardware.count, else tp × pp).")
+@click.option("--model-config", type=click.Path(path_type=Path, exists=True, dir_okay=True),
+              help="A Hugging Face config.json (or model directory) for models kiln has no config for.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@handle_errors
+def plan_cmd(recipe, overrides, gpu: Optional[str], count: Optional[int], model_config: Optional[Path], as_json):
+    """Memory, KV-cache capacity and speed limits of RECIPE on a GPU — no GPU needed."""
+    from kiln.plan import PlanError, load_model_config, make_plan, render_plan
+    from kiln.recipe.gpus import known_gpu_names, lookup_gpu
+    from kiln.steps.resolve import model_config as recipe_model_config
+    from kiln.steps.resolve import plan_inputs
+
+    loaded = load(recipe, overrides)
+    r = loaded.recipe
+    name = gpu or r.hardware.gpu
+    if not name:
+        raise InputError("no GPU to plan for: pass --gpu (known: " + ", ".join(known_gpu_names()) + ")")
+    spec = lookup_gpu(name)
+    if spec is None:
+        raise InputError(f"unknown GPU {name!r}; known: " + ", ".join(known_gpu_names()))
+    try:
+        cfg = load_model_config(model_config) if model_config else recipe_model_config(loaded)
+        if cfg is None:
+            raise InputError(f"no model config for {r.model.source} without downloading it: pass --model-config "
+                             "FILE (the model's config.json)")
+        result = make_plan(plan_inputs(r, cfg), spec, count or r.hardware.count)
+    except PlanError as exc:
+        raise InputError(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        render_plan(result, out)

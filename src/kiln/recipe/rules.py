@@ -1,0 +1,204 @@
+"""Cross-field rules: what TensorRT-LLM and Triton only report late (after a GPU-hour) or silently.
+
+Each rule reads a validated :class:`Recipe` and returns problems naming the dotted key to change.
+Errors stop the recipe; warnings describe quiet upstream adjustments (``--strict`` turns them into errors).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from kiln.recipe.errors import Problem
+from kiln.recipe.gpus import GPUSpec, gpus_with_sm, known_gpu_names, lookup_gpu
+from kiln.recipe.schema import Recipe
+
+Rule = Callable[[Recipe], Iterator[Problem]]
+RULES: list[Rule] = []
+
+# Minimum SM per weight format (TensorRT-LLM 1.2 support matrix; GUIDE §2).
+FORMAT_MIN_SM = {"fp8": 89, "w4a8_awq": 89, "nvfp4": 100, "int8_sq": 80, "int4_awq": 80,
+                 "int8_wo": 80, "int4_wo": 80}
+# Formats TensorRT-LLM refuses on Blackwell (SM 100-119).
+REFUSED_ON_BLACKWELL = {"int8_sq", "int8_wo", "int4_wo"}
+KV_MIN_SM = {"fp8": 89, "int8": 80}
+FORMAT_LABEL = {"fp8": "FP8", "w4a8_awq": "W4A8 AWQ", "nvfp4": "NVFP4", "int8_sq": "INT8 SmoothQuant",
+                "int4_awq": "INT4 AWQ", "int8_wo": "INT8 weight-only", "int4_wo": "INT4 weight-only"}
+
+
+def rule(fn: Rule) -> Rule:
+    RULES.append(fn)
+    return fn
+
+
+def err(key: str, message: str, hint: str = "") -> Problem:
+    return Problem("error", key, message, None, hint)
+
+
+def warn(key: str, message: str, hint: str = "") -> Problem:
+    return Problem("warning", key, message, None, hint)
+
+
+def target_gpu(recipe: Recipe) -> GPUSpec | None:
+    """The GPU a recipe names (None when it names none or an unknown one)."""
+    return lookup_gpu(recipe.hardware.gpu) if recipe.hardware.gpu else None
+
+
+def _names(min_sm: int, max_sm: int | None = None) -> str:
+    return ", ".join(gpus_with_sm(min_sm, max_sm))
+
+
+@rule
+def known_gpu(r: Recipe) -> Iterator[Problem]:
+    if r.hardware.gpu and lookup_gpu(r.hardware.gpu) is None:
+        yield err("hardware.gpu", f"unknown GPU {r.hardware.gpu!r}",
+                  "known GPUs: " + ", ".join(known_gpu_names()))
+
+
+@rule
+def format_vs_gpu(r: Recipe) -> Iterator[Problem]:
+    gpu = target_gpu(r)
+    if gpu is None or r.target != "tensorrt":
+        return
+    fmt = r.quantization.format
+    need = FORMAT_MIN_SM.get(fmt)
+    if need and gpu.sm < need:
+        yield err("quantization.format",
+                  f"{FORMAT_LABEL[fmt]} needs SM {need}+ but {gpu.name} is SM {gpu.sm}",
+                  f"use a GPU that has it ({_names(need)}), or a format this GPU runs "
+                  f"(e.g. int4_awq or int8_sq on SM 80+)")
+    if fmt in REFUSED_ON_BLACKWELL and 100 <= gpu.sm <= 119:
+        yield err("quantization.format",
+                  f"TensorRT-LLM refuses {FORMAT_LABEL[fmt]} on SM 100-119 ({gpu.name} is SM {gpu.sm})",
+                  "use fp8, int4_awq or nvfp4 on Blackwell")
+    kv = r.quantization.kv_cache
+    kv_need = KV_MIN_SM.get(kv)
+    if kv_need and gpu.sm < kv_need:
+        yield err("quantization.kv_cache", f"{kv.upper()} KV cache needs SM {kv_need}+ but {gpu.name} is SM {gpu.sm}",
+                  f"use kv_cache: none or int8, or a GPU with SM {kv_need}+ ({_names(kv_need)})")
+
+
+@rule
+def reference_target_limits(r: Recipe) -> Iterator[Problem]:
+    if r.target != "reference":
+        return
+    if r.quantization.format == "nvfp4":
+        yield err("quantization.format", "NVFP4 fake-quant inference needs a CUDA GPU; the reference "
+                  "target runs on CPU", "use target: tensorrt on SM 100+, or another format")
+    if r.parallelism.tp * r.parallelism.pp > 1:
+        yield err("parallelism", "the reference target runs one CPU process (tp = pp = 1)",
+                  "set parallelism.tp: 1 and parallelism.pp: 1, or target: tensorrt")
+
+
+@rule
+def gpu_count(r: Recipe) -> Iterator[Problem]:
+    ranks = r.parallelism.tp * r.parallelism.pp
+    if r.hardware.count is not None and ranks > r.hardware.count:
+        yield err("parallelism", f"tp × pp = {ranks} ranks but hardware.count is {r.hardware.count}",
+                  f"lower tp/pp or set hardware.count to at least {ranks}")
+    if r.serving.gpu_device_ids is not None and len(r.serving.gpu_device_ids) < ranks:
+        yield err("serving.gpu_device_ids", f"{len(r.serving.gpu_device_ids)} device ids for {ranks} ranks",
+                  f"list {ranks} GPU ids or leave it empty")
+
+
+@rule
+def seq_limits(r: Recipe) -> Iterator[Problem]:
+    b = r.build
+    if b.max_seq_len is not None and b.max_seq_len < b.max_input_len:
+        yield err("build.max_seq_len", f"max_seq_len ({b.max_seq_len}) is less than max_input_len "
+                  f"({b.max_input_len}): no room for a full prompt",
+                  f"set build.max_seq_len ≥ {b.max_input_len} (prompt + output tokens)")
+    elif b.max_seq_len is not None and b.max_seq_len == b.max_input_len:
+        yield warn("build.max_seq_len", "max_seq_len equals max_input_len: a full-length prompt leaves no room "
+                   "for output tokens", "raise build.max_seq_len")
+    if b.max_num_tokens < b.max_input_len and not r.serving.enable_chunked_context:
+        yield err("build.max_num_tokens", f"max_num_tokens ({b.max_num_tokens}) is less than max_input_len "
+                  f"({b.max_input_len}) without chunked context: the longest prompts can never be scheduled",
+                  f"raise build.max_num_tokens to ≥ {b.max_input_len} or set serving.enable_chunked_context: true")
+    if b.tokens_per_block & (b.tokens_per_block - 1):
+        yield err("build.tokens_per_block", f"{b.tokens_per_block} is not a power of two",
+                  "use 16, 32, 64 or 128")
+
+
+@rule
+def kv_features(r: Recipe) -> Iterator[Problem]:
+    b, s = r.build, r.serving
+    paged = b.kv_cache_type == "paged"
+    if s.batching == "inflight_fused" and not paged:
+        yield err("build.kv_cache_type", "in-flight batching needs a paged KV cache",
+                  "set build.kv_cache_type: paged, or serving.batching: v1")
+    if s.batching == "inflight_fused" and not b.remove_input_padding:
+        yield err("build.remove_input_padding", "in-flight batching needs packed inputs",
+                  "set build.remove_input_padding: true")
+    int8_kv = r.quantization.kv_cache == "int8"
+    for key, on in (("serving.enable_kv_cache_reuse", s.enable_kv_cache_reuse),
+                    ("serving.enable_chunked_context", s.enable_chunked_context)):
+        what = key.split(".")[1]
+        if on and (not b.use_paged_context_fmha or not b.context_fmha or not paged):
+            yield err(key, f"{what} needs paged context FMHA over a paged KV cache",
+                      "set build.use_paged_context_fmha: true (and context_fmha: true, kv_cache_type: paged), "
+                      f"or {key}: false")
+        elif on and int8_kv:
+            yield warn(key, f"an INT8 KV cache turns paged context FMHA off, so {what} will not take effect",
+                       f"use quantization.kv_cache: fp8 (SM 89+) or none, or {key}: false")
+    if int8_kv and b.use_paged_context_fmha and r.target == "tensorrt":
+        yield warn("build.use_paged_context_fmha", "TensorRT-LLM silently disables paged context FMHA with an "
+                   "INT8 KV cache (no KV reuse, no chunked context)",
+                   "use quantization.kv_cache: fp8 on SM 89+, or accept it")
+    if b.use_fp8_context_fmha and r.quantization.format not in ("fp8", "w4a8_awq", "nvfp4"):
+        yield warn("build.use_fp8_context_fmha", "FP8 context FMHA only takes effect with an FP8 format "
+                   f"(format is {r.quantization.format})", "set build.use_fp8_context_fmha: false")
+    if r.target == "reference" and r.quantization.kv_cache != "none":
+        yield warn("quantization.kv_cache", "the reference runtime quantizes K/V with ModelOpt fake-quant but "
+                   "stores its paged cache in the model dtype; the memory saving shows only on the tensorrt target")
+
+
+@rule
+def speculative(r: Recipe) -> Iterator[Problem]:
+    sp = r.build.speculative
+    if sp.mode == "none":
+        if sp.max_draft_len:
+            yield err("build.speculative.max_draft_len", "max_draft_len is set but speculative decoding is off",
+                      "set build.speculative.mode or max_draft_len: 0")
+        if sp.draft_recipe:
+            yield err("build.speculative.draft_recipe", "a draft recipe is set but speculative decoding is off",
+                      "set build.speculative.mode: draft_tokens_external")
+        return
+    if sp.max_draft_len < 1:
+        yield err("build.speculative.max_draft_len", f"speculative mode {sp.mode} needs max_draft_len ≥ 1",
+                  "e.g. max_draft_len: 4 (draft+target) or 63 (medusa/eagle trees)")
+    if sp.mode == "draft_tokens_external" and not sp.draft_recipe:
+        yield err("build.speculative.draft_recipe", "draft_tokens_external needs a draft model recipe",
+                  "set build.speculative.draft_recipe: <path to the draft recipe>")
+    if sp.mode != "draft_tokens_external" and sp.draft_recipe:
+        yield err("build.speculative.draft_recipe", f"mode {sp.mode} does not use a separate draft recipe",
+                  "remove draft_recipe, or use mode: draft_tokens_external")
+    if r.build.max_beam_width != 1:
+        yield err("build.max_beam_width", "speculative decoding needs max_beam_width: 1")
+    if sp.mode in ("medusa", "eagle", "lookahead_decoding", "explicit_draft_tokens") and r.target == "reference":
+        yield err("build.speculative.mode", f"{sp.mode} needs its own trained heads in a TensorRT-LLM engine; "
+                  "the reference target supports only draft_tokens_external")
+    if sp.mode == "draft_tokens_external" and not r.build.use_paged_context_fmha:
+        yield err("build.use_paged_context_fmha", "draft_tokens_external needs paged context FMHA")
+    if r.build.max_seq_len is not None and sp.max_draft_len:
+        yield warn("build.max_seq_len", f"TensorRT-LLM adds max_draft_len ({sp.max_draft_len}) to max_seq_len "
+                   f"(engine max_seq_len will be {r.build.max_seq_len + sp.max_draft_len})")
+
+
+@rule
+def calibration(r: Recipe) -> Iterator[Problem]:
+    q = r.quantization
+    c = q.calibration
+    if q.format == "none" and q.kv_cache == "none":
+        return
+    if q.format in ("int4_awq", "w4a8_awq") and c.samples > 32:
+        yield warn("quantization.calibration.samples", f"AWQ calibrates on at most 32 samples (as upstream); "
+                   f"{c.samples} asked", "set samples: 32 to say what runs")
+    if c.batch_size > c.samples:
+        yield err("quantization.calibration.batch_size", f"batch_size ({c.batch_size}) exceeds samples "
+                  f"({c.samples})", "lower batch_size")
+
+
+def check_rules(recipe: Recipe) -> list[Problem]:
+    """Run every rule; errors first, then warnings."""
+    found = [p for fn in RULES for p in fn(recipe)]
+    return sorted(found, key=lambda p: p.severity != "error")

@@ -1,0 +1,358 @@
+"""The recipe schema: the one place where every recipe key, its type, its default and its meaning live.
+
+A recipe is a YAML file validated into :class:`Recipe` — strict (unknown keys are errors, no type coercion
+from strings to numbers) and frozen. Every field carries a docstring; ``kiln show --doc`` and the docs derive
+from them. Cross-field rules (formats vs GPU, limits that must agree) live in :mod:`kiln.recipe.rules`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+BUILTIN_PREFIX = "builtin:"
+HF_PREFIX = "hf:"
+BUILTIN_MODELS = ("tiny-llama",)
+BUILTIN_DATASETS = ("tiny-llama-calib", "tiny-llama-heldout")
+
+WeightFormat = Literal["none", "fp8", "int8_sq", "int4_awq", "w4a8_awq", "int8_wo", "int4_wo", "nvfp4"]
+KVCacheFormat = Literal["none", "fp8", "int8"]
+Dtype = Literal["auto", "float16", "bfloat16", "float32"]
+
+_HF_ID = re.compile(r"^hf:[A-Za-z0-9][\w.\-]*/[\w.\-]+(@[\w.\-/]+)?$")
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+
+
+class Section(BaseModel):
+    """Base for every recipe section: strict, frozen, unknown keys rejected, docstrings become descriptions."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        strict=True,
+        use_attribute_docstrings=True,
+        validate_default=True,
+    )
+
+
+def _check_source(value: str, what: str, builtins: tuple[str, ...]) -> str:
+    if value.startswith(BUILTIN_PREFIX):
+        name = value[len(BUILTIN_PREFIX):]
+        if name not in builtins:
+            raise ValueError(
+                f"unknown built-in {what} {value!r}; known: "
+                + ", ".join(BUILTIN_PREFIX + b for b in builtins)
+            )
+    elif value.startswith(HF_PREFIX):
+        if not _HF_ID.match(value):
+            raise ValueError(f"{value!r} is not a hub id; write hf:org/name or hf:org/name@revision")
+    elif not value.strip():
+        raise ValueError(f"empty {what}; give a local path, hf:org/name or " + BUILTIN_PREFIX + builtins[0])
+    return value
+
+
+class ModelSection(Section):
+    source: str = "builtin:tiny-llama"
+    """Where the model comes from: `builtin:tiny-llama` (made locally, no download), a local Hugging Face
+    directory (relative paths resolve against the working directory), or `hf:org/name[@revision]`."""
+
+    dtype: Dtype = "auto"
+    """Weights and activation dtype of the unquantized parts. `auto` uses the checkpoint's `torch_dtype`
+    (float16 if it names none). The model is loaded directly in this dtype: never through float32."""
+
+    tokenizer: Optional[str] = None
+    """Tokenizer location (same forms as `source`); empty means the model's own tokenizer."""
+
+    trust_remote_code: bool = False
+    """Allow code shipped with a hub model to run when loading it. Off unless you trust the repository."""
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str) -> str:
+        return _check_source(v, "model", BUILTIN_MODELS)
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer(cls, v: Optional[str]) -> Optional[str]:
+        return None if v is None else _check_source(v, "tokenizer", BUILTIN_MODELS)
+
+
+class DataSource(Section):
+    """Where text comes from (calibration or evaluation)."""
+
+    dataset: str = "builtin:tiny-llama-calib"
+    """Text source: a local `.txt` (one sample per blank-line-separated paragraph), `.jsonl` or `.parquet`
+    file, `hf:org/name[@revision]` (a hub dataset), or `builtin:tiny-llama-calib` / `builtin:tiny-llama-heldout`
+    (text shipped with Python)."""
+
+    subset: Optional[str] = None
+    """Dataset configuration name, for `hf:` datasets that have several (e.g. `3.0.0` for cnn_dailymail)."""
+
+    split: str = "train"
+    """Dataset split, for `hf:` datasets."""
+
+    column: str = "text"
+    """Column (or JSON key) holding the text, for `.jsonl`, `.parquet` and `hf:` datasets."""
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset(cls, v: str) -> str:
+        return _check_source(v, "dataset", BUILTIN_DATASETS)
+
+
+class CalibrationSection(DataSource):
+    samples: Annotated[int, Field(ge=1, le=100_000)] = 512
+    """Number of calibration samples. Upstream default 512; AWQ formats use at most 32 (as upstream does)."""
+
+    max_seq_len: Annotated[int, Field(ge=8, le=131_072)] = 512
+    """Tokens per calibration sample (longer samples are truncated)."""
+
+    batch_size: Annotated[int, Field(ge=1, le=1024)] = 1
+    """Samples per calibration forward pass."""
+
+    seed: int = 1234
+    """Seed for sample selection and anything random in calibration."""
+
+
+class QuantizationSection(Section):
+    format: WeightFormat = "none"
+    """Weight/activation format: `none` (unquantized), `fp8`, `int8_sq` (INT8 SmoothQuant), `int4_awq`,
+    `w4a8_awq` (INT4 AWQ weights, FP8 activations), `int8_wo` / `int4_wo` (weight-only), `nvfp4`."""
+
+    kv_cache: KVCacheFormat = "none"
+    """KV-cache quantization: `none` (model dtype), `fp8` or `int8`."""
+
+    smoothquant_alpha: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
+    """SmoothQuant migration strength (int8_sq only): 0 keeps activations as they are, 1 moves all the
+    outlier scale into the weights."""
+
+    awq_block_size: Literal[64, 128] = 128
+    """Group size of INT4 weight scales (int4_awq, w4a8_awq, int4_wo)."""
+
+    exclude_modules: tuple[str, ...] = ("lm_head",)
+    """Module name patterns (fnmatch, e.g. `lm_head`, `*.mlp.down_proj`) kept at full precision."""
+
+    calibration: CalibrationSection = CalibrationSection()
+    """Calibration data used to compute scales."""
+
+
+class EvaluationSection(DataSource):
+    enabled: bool = True
+    """Measure quality (perplexity and KL divergence against the unquantized model) after quantizing."""
+
+    dataset: str = "builtin:tiny-llama-heldout"
+    """Evaluation text, same forms as the calibration dataset."""
+
+    split: str = "test"
+    """Dataset split, for `hf:` datasets."""
+
+    samples: Annotated[int, Field(ge=1, le=100_000)] = 64
+    """Number of evaluation sequences."""
+
+    max_seq_len: Annotated[int, Field(ge=8, le=131_072)] = 256
+    """Tokens per evaluation sequence."""
+
+    max_ppl_increase_pct: Optional[Annotated[float, Field(ge=0.0)]] = 10.0
+    """Quality gate: fail the build if perplexity rises by more than this many percent. Empty disables."""
+
+    max_kl: Optional[Annotated[float, Field(ge=0.0)]] = None
+    """Quality gate: fail the build if the mean per-token KL divergence (nats) exceeds this. Empty disables."""
+
+
+class ParallelismSection(Section):
+    tp: Annotated[int, Field(ge=1, le=64)] = 1
+    """Tensor-parallel size: each layer split across this many GPUs."""
+
+    pp: Annotated[int, Field(ge=1, le=64)] = 1
+    """Pipeline-parallel size: layers split into this many stages."""
+
+
+SpeculativeMode = Literal[
+    "none", "draft_tokens_external", "medusa", "eagle", "lookahead_decoding", "explicit_draft_tokens"
+]
+
+
+class SpeculativeSection(Section):
+    mode: SpeculativeMode = "none"
+    """Speculative decoding mode (trtllm-build `--speculative_decoding_mode`). `draft_tokens_external` is
+    draft+target decoding driven by the BLS model with a separate draft recipe."""
+
+    max_draft_len: Annotated[int, Field(ge=0, le=1024)] = 0
+    """Most draft tokens verified per step (`--max_draft_len`); added to max_seq_len by upstream."""
+
+    draft_recipe: Optional[str] = None
+    """Recipe of the draft model (path), for `draft_tokens_external`."""
+
+
+class BuildSection(Section):
+    max_batch_size: Annotated[int, Field(ge=1, le=65_536)] = 2048
+    """Most sequences in flight at once (`--max_batch_size`)."""
+
+    max_input_len: Annotated[int, Field(ge=1, le=1_048_576)] = 1024
+    """Longest prompt in tokens (`--max_input_len`)."""
+
+    max_seq_len: Optional[Annotated[int, Field(ge=2, le=1_048_576)]] = None
+    """Longest prompt + output in tokens (`--max_seq_len`). Empty: the model's max_position_embeddings."""
+
+    max_num_tokens: Annotated[int, Field(ge=1, le=1_048_576)] = 8192
+    """Most tokens processed in one engine step across the batch (`--max_num_tokens`)."""
+
+    max_beam_width: Annotated[int, Field(ge=1, le=64)] = 1
+    """Beam search width (`--max_beam_width`); 1 is greedy/sampling."""
+
+    kv_cache_type: Literal["paged", "continuous", "disabled"] = "paged"
+    """KV cache layout (`--kv_cache_type`). In-flight batching needs `paged`."""
+
+    tokens_per_block: Annotated[int, Field(ge=1, le=1024)] = 32
+    """Tokens per paged KV-cache block (`--tokens_per_block`); a power of two."""
+
+    context_fmha: bool = True
+    """Fused multi-head attention for the context phase (`--context_fmha`)."""
+
+    use_paged_context_fmha: bool = True
+    """Context FMHA over the paged KV cache (`--use_paged_context_fmha`); needed for KV reuse and chunked
+    context."""
+
+    use_fp8_context_fmha: bool = False
+    """FP8 context FMHA (`--use_fp8_context_fmha`); only with fp8 formats and an fp8 KV cache, SM 89+."""
+
+    gemm_plugin: Literal["auto", "float16", "bfloat16", "float32", "fp8", "nvfp4", "disable"] = "auto"
+    """GEMM plugin (`--gemm_plugin`): `auto` picks the model dtype; `disable` uses TensorRT's own GEMMs."""
+
+    multiple_profiles: bool = False
+    """Build several TensorRT optimisation profiles (`--multiple_profiles`): faster, longer build."""
+
+    remove_input_padding: bool = True
+    """Packed (unpadded) inputs (`--remove_input_padding`); in-flight batching needs it."""
+
+    workers: Optional[Annotated[int, Field(ge=1, le=64)]] = None
+    """Ranks built in parallel (`--workers`). Empty: tp × pp."""
+
+    speculative: SpeculativeSection = SpeculativeSection()
+    """Speculative decoding."""
+
+
+class ServingSection(Section):
+    batching: Literal["inflight_fused", "v1"] = "inflight_fused"
+    """Batching strategy (`gpt_model_type`): in-flight fused batching, or static `v1`."""
+
+    scheduler_policy: Literal["max_utilization", "guaranteed_no_evict"] = "guaranteed_no_evict"
+    """Batch scheduler (`batch_scheduler_policy`): `max_utilization` packs more requests and may pause some."""
+
+    kv_cache_free_gpu_mem_fraction: Annotated[float, Field(gt=0.0, le=1.0)] = 0.9
+    """Fraction of GPU memory left after weights that the KV cache takes."""
+
+    max_tokens_in_paged_kv_cache: Optional[Annotated[int, Field(ge=1)]] = None
+    """Hard cap on KV-cache tokens; the smaller of this and the fraction wins. Empty: no cap. On the
+    reference target this sizes the CPU paged cache (default there: max_batch_size × max_seq_len)."""
+
+    enable_kv_cache_reuse: bool = True
+    """Reuse KV blocks across requests that share a prefix (needs paged context FMHA)."""
+
+    enable_chunked_context: bool = False
+    """Split long prompts over several steps (needs paged context FMHA)."""
+
+    kv_cache_host_memory_bytes: Annotated[int, Field(ge=0)] = 0
+    """Host memory for offloaded KV blocks, bytes (0: none)."""
+
+    streaming: bool = True
+    """Stream tokens as they are generated (the model is `decoupled`)."""
+
+    exclude_input_in_output: bool = True
+    """Return only generated text, not the prompt."""
+
+    max_queue_delay_microseconds: Annotated[int, Field(ge=0)] = 0
+    """How long a request may wait to join a batch."""
+
+    gpu_device_ids: Optional[tuple[int, ...]] = None
+    """GPUs the model uses (`gpu_device_ids`). Empty: all visible."""
+
+    preprocessing_instances: Annotated[int, Field(ge=1, le=64)] = 1
+    """Tokenizer model instances."""
+
+    postprocessing_instances: Annotated[int, Field(ge=1, le=64)] = 1
+    """Detokenizer model instances."""
+
+    bls_instances: Annotated[int, Field(ge=1, le=64)] = 1
+    """BLS model instances."""
+
+    add_special_tokens: bool = True
+    """Add the tokenizer's special tokens (e.g. BOS) to prompts."""
+
+    skip_special_tokens: bool = True
+    """Drop special tokens from returned text."""
+
+    cpu_threads: Optional[Annotated[int, Field(ge=1, le=1024)]] = None
+    """Reference target only: torch threads for the CPU runtime. Empty: the machine's cores."""
+
+    host: str = "127.0.0.1"
+    """Address `kiln serve` binds (deploy files bind 0.0.0.0 inside the container)."""
+
+    http_port: Annotated[int, Field(ge=1, le=65_535)] = 8000
+    """HTTP/REST port."""
+
+    grpc_port: Annotated[int, Field(ge=1, le=65_535)] = 8001
+    """gRPC port."""
+
+    metrics_port: Annotated[int, Field(ge=1, le=65_535)] = 8002
+    """Prometheus metrics port."""
+
+
+class HardwareSection(Section):
+    gpu: Optional[str] = None
+    """GPU model the engine is built for, e.g. `H100-SXM`, `A100-80GB`, `L40S`, `H200`, `B200`. Empty: detected
+    from this machine when it has a GPU. Used for validation and planning."""
+
+    count: Optional[Annotated[int, Field(ge=1, le=1024)]] = None
+    """GPUs available (empty: detected, else tp × pp)."""
+
+
+class Recipe(Section):
+    """A kiln recipe: one model, how to quantize, compile and serve it."""
+
+    name: str
+    """Recipe name: lower-case letters, digits, `.`, `_`, `-`. Names the build and repository directories."""
+
+    description: str = ""
+    """One line saying what the recipe is for (shown by `kiln ls`)."""
+
+    extends: Optional[str] = None
+    """Base recipe (path, relative to this file) whose keys this recipe overrides key by key."""
+
+    target: Literal["tensorrt", "reference"] = "tensorrt"
+    """`tensorrt`: a TensorRT-LLM 1.2 engine served by Triton's tensorrtllm backend (GPU). `reference`: the
+    quantized model run by PyTorch on CPU in a Triton Python model with the same tensor contract — a test and
+    development vehicle, not a fast path."""
+
+    model: ModelSection = ModelSection()
+    """The model."""
+
+    quantization: QuantizationSection = QuantizationSection()
+    """How to quantize."""
+
+    evaluation: EvaluationSection = EvaluationSection()
+    """Quality measurement and gate."""
+
+    parallelism: ParallelismSection = ParallelismSection()
+    """Multi-GPU split."""
+
+    build: BuildSection = BuildSection()
+    """Engine build limits and features."""
+
+    serving: ServingSection = ServingSection()
+    """Triton serving settings."""
+
+    hardware: HardwareSection = HardwareSection()
+    """Target hardware."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError(f"{v!r} is not a valid name; use lower-case letters, digits, '.', '_' and '-'")
+        return v
+
+
+SECTIONS: tuple[str, ...] = tuple(Recipe.model_fields)
