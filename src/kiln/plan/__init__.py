@@ -1,0 +1,30 @@
+"""``kiln plan``: memory, KV-cache and roofline arithmetic for a recipe on a GPU (no GPU needed)."""
+
+from kiln.plan.errors import PlanError
+from kiln.plan.formats import KV_CACHE_DTYPES, WEIGHT_FORMATS
+from kiln.plan.model import (
+    ModelShape,
+    load_model_config,
+    parse_model_config,
+    shipped_model_config,
+    shipped_model_ids,
+)
+from kiln.plan.planner import Plan, PlanInputs, make_plan, resolve_gpu, valid_tp_sizes
+from kiln.plan.render import render_plan
+
+__all__ = [
+    "KV_CACHE_DTYPES",
+    "WEIGHT_FORMATS",
+    "ModelShape",
+    "Plan",
+    "PlanError",
+    "PlanInputs",
+    "load_model_config",
+    "make_plan",
+    "parse_model_config",
+    "render_plan",
+    "resolve_gpu",
+    "shipped_model_config",
+    "shipped_model_ids",
+    "valid_tp_sizes",
+]

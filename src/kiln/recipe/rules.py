@@ -19,7 +19,7 @@ RULES: list[Rule] = []
 FORMAT_MIN_SM = {"fp8": 89, "w4a8_awq": 89, "nvfp4": 100, "int8_sq": 80, "int4_awq": 80,
                  "int8_wo": 80, "int4_wo": 80}
 # Formats TensorRT-LLM refuses on Blackwell (SM 100-119).
-REFUSED_ON_BLACKWELL = {"int8_sq", "int8_wo", "int4_wo"}
+REFUSED_ON_BLACKWELL = {"int8_sq", "int8_wo", "int4_wo", "w4a8_awq"}
 KV_MIN_SM = {"fp8": 89, "int8": 80}
 FORMAT_LABEL = {"fp8": "FP8", "w4a8_awq": "W4A8 AWQ", "nvfp4": "NVFP4", "int8_sq": "INT8 SmoothQuant",
                 "int4_awq": "INT4 AWQ", "int8_wo": "INT8 weight-only", "int4_wo": "INT4 weight-only"}
