@@ -20,8 +20,9 @@ from kiln.recipe.loader import LoadedRecipe, load_recipe
 from kiln.recipe.render import recipe_yaml
 from kiln.util.errors import InputError, KilnError
 
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+# Wide enough for tables when output is not a terminal (CI logs, pipes); a terminal keeps its own width.
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 140)
+err = Console(stderr=True, highlight=False, soft_wrap=True, width=None if sys.stderr.isatty() else 140)
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import socket
 import time
 from dataclasses import dataclass, field
@@ -59,7 +60,7 @@ class PlannedStep:
 @dataclass
 class StepOutcome:
     name: str
-    status: str  # ran | skipped | failed | not built | not run
+    status: str  # ran | reused | skipped | failed | not built | not run
     seconds: float = 0.0
     out_dir: Optional[Path] = None
     result: dict = field(default_factory=dict)
@@ -177,6 +178,38 @@ def _manifest(p: PlannedStep, loaded: LoadedRecipe, result: dict, started: float
     }
 
 
+def find_reusable(p: PlannedStep, layout: Layout) -> Optional[Path]:
+    """A complete output of the same step with the same fingerprint under another recipe's build dir.
+
+    Fingerprints leave out the recipe name, so recipes (or sweep points) that differ only in keys a step does
+    not depend on share its output — e.g. points differing only in serving keys share the quantized checkpoint.
+    """
+    if p.spec.output_dir is not None or not layout.build_root.is_dir():
+        return None
+    for other in sorted(layout.build_root.iterdir()):
+        candidate = other / p.spec.name
+        if candidate == p.out_dir or not candidate.is_dir():
+            continue
+        manifest = read_manifest(candidate)
+        if manifest is not None and manifest.get("fingerprint") == p.fingerprint:
+            return candidate
+    return None
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """Copy a complete output by hard links (no extra disk for large checkpoints); plain copy across devices."""
+    for path in sorted(src.rglob("*")):
+        target = dst / path.relative_to(src)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        elif path.name != "manifest.json":
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(path, target)
+            except OSError:
+                shutil.copy2(path, target)
+
+
 def _lock(build_dir: Path, console: Console) -> FileLock:
     build_dir.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(build_dir / ".lock"))
@@ -220,12 +253,18 @@ def run(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_step: Op
                     outcomes.append(StepOutcome(name, "not run", out_dir=p.out_dir, message="outside --from/--to"))
                 continue
             sweep_leftovers(p.out_dir)
-            console.print(f"[bold]▶ {name}[/] [dim]({'; '.join(p.reasons)})[/]", highlight=False)
+            reuse = None if force else find_reusable(p, layout)
+            console.print(f"[bold]▶ {name}[/] [dim]({'; '.join(p.reasons)})"
+                          + (f" — reusing {reuse}" if reuse else "") + "[/]", highlight=False)
             started, t0 = time.time(), time.monotonic()
             try:
                 with atomic_dir(p.out_dir) as tmp:
-                    ctx = StepContext(loaded, tmp, dict(inputs), dict(results), console, progress)
-                    result = p.spec.fn(ctx) or {}
+                    if reuse is not None:
+                        _link_tree(reuse, tmp)
+                        result = {**(read_manifest(reuse) or {}).get("result", {}), "reused_from": str(reuse)}
+                    else:
+                        ctx = StepContext(loaded, tmp, dict(inputs), dict(results), console, progress, p.out_dir)
+                        result = p.spec.fn(ctx) or {}
                     write_manifest(tmp, _manifest(p, loaded, result, started, time.monotonic() - t0))
             except KilnError as exc:
                 outcomes.append(StepOutcome(name, "failed", time.monotonic() - t0, None, {}, str(exc)))
@@ -233,7 +272,7 @@ def run(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_step: Op
                 continue
             seconds = time.monotonic() - t0
             inputs[name], results[name] = p.out_dir, result
-            outcomes.append(StepOutcome(name, "ran", seconds, p.out_dir, result))
+            outcomes.append(StepOutcome(name, "reused" if reuse else "ran", seconds, p.out_dir, result))
             failure = _check(p, loaded, result)
             if failure is not None:
                 outcomes[-1].message = str(failure)
@@ -254,11 +293,11 @@ def render_summary(summary: RunSummary, console: Console) -> None:
     table = Table(title=f"kiln build {summary.recipe}", title_justify="left", box=None, pad_edge=False)
     for col in ("step", "status", "time", "output", "notes"):
         table.add_column(col, overflow="fold")
-    colours = {"ran": "green", "skipped": "cyan", "failed": "red", "not built": "yellow", "not run": "dim"}
+    colours = {"ran": "green", "reused": "cyan", "skipped": "cyan", "failed": "red", "not built": "yellow", "not run": "dim"}
     for o in summary.outcomes:
         notes = o.message or _headline(o.result)
         table.add_row(o.name, f"[{colours.get(o.status, 'white')}]{o.status}[/]",
-                      f"{o.seconds:.1f}s" if o.status == "ran" else "", str(o.out_dir or ""), notes)
+                      f"{o.seconds:.1f}s" if o.status in ("ran", "reused") else "", str(o.out_dir or ""), notes)
     console.print(table)
     console.print(f"total {summary.seconds:.1f}s", style="dim")
 

@@ -21,6 +21,8 @@ WeightFormat = Literal["none", "fp8", "int8_sq", "int4_awq", "w4a8_awq", "int8_w
 KVCacheFormat = Literal["none", "fp8", "int8"]
 Dtype = Literal["auto", "float16", "bfloat16", "float32"]
 
+INT64_MAX = 2**63 - 1  # Triton parses its integer parameters as int64
+
 _HF_ID = re.compile(r"^hf:[A-Za-z0-9][\w.\-]*/[\w.\-]+(@[\w.\-/]+)?$")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
@@ -112,8 +114,8 @@ class CalibrationSection(DataSource):
     batch_size: Annotated[int, Field(ge=1, le=1024)] = 1
     """Samples per calibration forward pass."""
 
-    seed: int = 1234
-    """Seed for sample selection and anything random in calibration."""
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 1234
+    """Seed for sample selection and anything random in calibration (0 to 2^32 − 1, what every RNG accepts)."""
 
 
 class QuantizationSection(Section):
@@ -244,7 +246,7 @@ class ServingSection(Section):
     kv_cache_free_gpu_mem_fraction: Annotated[float, Field(gt=0.0, le=1.0)] = 0.9
     """Fraction of GPU memory left after weights that the KV cache takes."""
 
-    max_tokens_in_paged_kv_cache: Optional[Annotated[int, Field(ge=1)]] = None
+    max_tokens_in_paged_kv_cache: Optional[Annotated[int, Field(ge=1, le=INT64_MAX)]] = None
     """Hard cap on KV-cache tokens; the smaller of this and the fraction wins. Empty: no cap. On the
     reference target this sizes the CPU paged cache (default there: max_batch_size × max_seq_len)."""
 
@@ -254,7 +256,7 @@ class ServingSection(Section):
     enable_chunked_context: bool = False
     """Split long prompts over several steps (needs paged context FMHA)."""
 
-    kv_cache_host_memory_bytes: Annotated[int, Field(ge=0)] = 0
+    kv_cache_host_memory_bytes: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
     """Host memory for offloaded KV blocks, bytes (0: none)."""
 
     streaming: bool = True
@@ -263,7 +265,7 @@ class ServingSection(Section):
     exclude_input_in_output: bool = True
     """Return only generated text, not the prompt."""
 
-    max_queue_delay_microseconds: Annotated[int, Field(ge=0)] = 0
+    max_queue_delay_microseconds: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
     """How long a request may wait to join a batch."""
 
     gpu_device_ids: Optional[tuple[int, ...]] = None
@@ -307,6 +309,10 @@ class HardwareSection(Section):
 
     count: Optional[Annotated[int, Field(ge=1, le=1024)]] = None
     """GPUs available (empty: detected, else tp × pp)."""
+
+    gpus_per_node: Annotated[int, Field(ge=1, le=64)] = 8
+    """GPUs per node where it is deployed: tp × pp above this spans several nodes (Kubernetes manifests then
+    use a LeaderWorkerSet instead of a Deployment)."""
 
 
 class Recipe(Section):

@@ -36,6 +36,8 @@ class StepContext:
     results: dict[str, dict] = field(default_factory=dict)
     console: Console = field(default_factory=lambda: Console(stderr=True))
     show_progress: bool = True
+    final_dir: Optional[Path] = None
+    """Where out_dir will be renamed to when the step completes."""
 
     @property
     def recipe(self) -> Recipe:
