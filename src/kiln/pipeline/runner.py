@@ -263,7 +263,8 @@ def run(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_step: Op
                         _link_tree(reuse, tmp)
                         result = {**(read_manifest(reuse) or {}).get("result", {}), "reused_from": str(reuse)}
                     else:
-                        ctx = StepContext(loaded, tmp, dict(inputs), dict(results), console, progress, p.out_dir)
+                        ctx = StepContext(loaded, tmp, dict(inputs), dict(results), console, progress, p.out_dir,
+                                          p.fingerprint)
                         result = p.spec.fn(ctx) or {}
                     write_manifest(tmp, _manifest(p, loaded, result, started, time.monotonic() - t0))
             except KilnError as exc:

@@ -38,6 +38,8 @@ class StepContext:
     show_progress: bool = True
     final_dir: Optional[Path] = None
     """Where out_dir will be renamed to when the step completes."""
+    fingerprint: str = ""
+    """This run's fingerprint of the step (recorded in its manifest)."""
 
     @property
     def recipe(self) -> Recipe:

@@ -1,0 +1,120 @@
+"""Package: a complete, linted Triton model repository (`triton_repo/<recipe>/`) and deployment files
+(`deploy/<recipe>/`) for the recipe."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from kiln.recipe.loader import LoadedRecipe, load_recipe
+from kiln.recipe.schema import HF_PREFIX, Recipe
+from kiln.steps.base import StepContext, StepSpec, step_result
+from kiln.steps.engine import ENGINE_SUBDIR
+from kiln.triton.lint import lint_repository
+from kiln.triton.repository import RepoInputs, standin_engine_config, write_repository
+from kiln.util.artifacts import atomic_dir
+from kiln.util.errors import InputError, KilnError
+
+CHECKPOINT = "checkpoint"  # the quantize step's HF model + ModelOpt state + tokenizer
+
+
+def deploy_dir_for(repo_final: Path) -> Path:
+    """deploy/<recipe>/ beside the repository root (triton_repo/<recipe> → deploy/<recipe>)."""
+    return repo_final.parent.parent / "deploy" / repo_final.name
+
+
+def _quantization(quantize_dir: Path) -> dict:
+    cfg = quantize_dir / "trtllm_checkpoint" / "config.json"
+    if cfg.is_file():
+        return json.loads(cfg.read_text()).get("quantization", {}) or {}
+    return {}
+
+
+def _engine_dir(recipe: Recipe, build_dir: Path, quantize_dir: Path, max_seq_len: int, scratch: Path,
+                name: str) -> Path:
+    if recipe.target == "tensorrt":
+        return build_dir / ENGINE_SUBDIR
+    d = scratch / name
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps(standin_engine_config(recipe, max_seq_len, _quantization(quantize_dir)),
+                                              indent=2))
+    return d
+
+
+def _draft_inputs(ctx: StepContext, scratch: Path, max_seq_len: int) -> Optional[RepoInputs]:
+    r = ctx.recipe
+    ref = r.build.speculative.draft_recipe
+    if r.build.speculative.mode != "draft_tokens_external" or not ref:
+        return None
+    base = ctx.loaded.path.parent if ctx.loaded.path else Path(".")
+    draft = load_recipe(base / ref).recipe
+    build_root = ctx.inputs["build"].parent.parent
+    q, b = build_root / draft.name / "quantize", build_root / draft.name / "build"
+    if not (q / "manifest.json").is_file() or not (b / "manifest.json").is_file():
+        raise InputError(f"the draft model {draft.name} is not built: run `kiln build {base / ref}` first")
+    return RepoInputs(draft, q / CHECKPOINT, _engine_dir(draft, b, q, max_seq_len, scratch, "draft-engine"),
+                      q / CHECKPOINT)
+
+
+def package(ctx: StepContext) -> dict:
+    r = ctx.recipe
+    quantize_dir, build_dir = ctx.inputs["quantize"], ctx.inputs["build"]
+    max_seq_len = int(ctx.results.get("resolve", {}).get("max_seq_len") or r.build.max_seq_len or r.build.max_input_len)
+    engine_info = json.loads((build_dir / "engine.json").read_text())
+    versions = {k: engine_info[k] for k in ("tensorrt_llm", "tensorrt") if k in engine_info}
+    quality = ctx.results.get("evaluate")
+    with tempfile.TemporaryDirectory(prefix="kiln-package-") as scratch_name:
+        scratch = Path(scratch_name)
+        inputs = RepoInputs(
+            recipe=r, tokenizer_dir=quantize_dir / CHECKPOINT,
+            engine_dir=_engine_dir(r, build_dir, quantize_dir, max_seq_len, scratch, "engine"),
+            checkpoint_dir=quantize_dir / CHECKPOINT, fingerprint=ctx.fingerprint,
+            versions=versions, draft=_draft_inputs(ctx, scratch, max_seq_len),
+            quality={k: v for k, v in (quality or {}).items() if isinstance(v, (int, float, str))} or None)
+        with ctx.status("writing the Triton repository"):
+            info = write_repository(inputs, ctx.out_dir, max_seq_len)
+    findings = lint_repository(ctx.out_dir)
+    errors = [f for f in findings if f.severity == "error"]
+    if errors:
+        raise KilnError("the packaged repository fails kiln lint:\n  " + "\n  ".join(f.format() for f in errors))
+    deploy_files = _write_deploy(ctx, info)
+    return step_result(summary=f"{len(info['models'])} models, lint clean"
+                       + (f", container {info['container']}" if info["container"] else ", reference runtime (CPU)"),
+                       models=len(info["models"]), container=info["container"] or "",
+                       deploy=str(deploy_files) if deploy_files else "")
+
+
+def _write_deploy(ctx: StepContext, info: dict) -> Optional[Path]:
+    """Deployment files for the tensorrt target (the reference target is served locally by `kiln serve`)."""
+    r = ctx.recipe
+    if r.target != "tensorrt" or ctx.final_dir is None:
+        return None
+    from kiln.triton.deploy import DeployInfo, validate_manifests, write_deploy_files
+
+    deploy = DeployInfo.from_recipe(
+        r, info["container"], hub_token_secret="hf-token" if r.model.source.startswith(HF_PREFIX) else None,
+        draft_model_name="tensorrt_llm_draft" if "tensorrt_llm_draft" in info["models"] else None)
+    final = deploy_dir_for(ctx.final_dir)
+    with atomic_dir(final) as tmp:
+        written = write_deploy_files(deploy, tmp, model_repo=ctx.final_dir)
+        problems = validate_manifests([p for p in written if p.suffix in (".yaml", ".yml") and "k8s" in p.parts])
+        if problems:
+            raise KilnError("generated Kubernetes manifests do not validate:\n  " + "\n  ".join(problems))
+    return final
+
+
+def _output_dir(loaded: LoadedRecipe, repo_root: Path) -> Path:
+    return repo_root / loaded.recipe.name
+
+
+SPEC = StepSpec(
+    name="package",
+    fn=package,
+    keys=("serving", "build", "target", "model.dtype", "hardware.gpus_per_node", "parallelism"),
+    after=("resolve", "quantize", "evaluate", "build"),
+    tools=("tritonclient",),
+    output_dir=_output_dir,
+    files_checked=("kiln.json",),
+)

@@ -1,0 +1,1148 @@
+"""Deployment files for a packaged Triton model repository: a launch script, Docker Compose, Kubernetes.
+
+:func:`write_deploy_files` writes, into a deploy directory next to the model repository:
+
+``launch.sh``
+    Starts the server. One ``tritonserver`` when the engine has one rank; otherwise TensorRT-LLM's *leader
+    mode*: ``mpirun`` starts one ``tritonserver`` per rank, rank 0 loads the whole repository and serves
+    HTTP/gRPC/metrics, ranks above 0 load only the ``tensorrt_llm`` model(s)
+    (``--model-control-mode=explicit --load-model=...``), and every rank gets its own Python-backend
+    shared-memory prefix (``--backend-config=python,shm-region-prefix-name=prefix<rank>_``).
+``docker-compose.yml``
+    One service on one host: the serving image, ``world_size`` GPUs reserved, the repository mounted
+    read-only at ``/models``, health check on ``/v2/health/ready``.
+``k8s/*.yaml``
+    ``world_size <= gpus_per_node``: a Deployment (one pod holding every rank) and a Service. Otherwise a
+    LeaderWorkerSet (``leaderworkerset.x-k8s.io/v1``): groups of ``world_size / gpus_per_node`` pods, one per
+    node, the leader running ``mpirun`` across the group over ssh (see :func:`k8s_objects`), a ConfigMap
+    with the scripts, and a Service in front of the leader.
+``README.md``
+    How to run each of them.
+
+:func:`validate_manifests` checks Kubernetes files offline: core kinds against the schemas bundled with
+``kubernetes-validate`` in strict mode (unknown fields are errors); the LeaderWorkerSet, for which it has no
+schema, by kiln's own checks of the LWS fields plus strict validation of its pod templates as core
+``PodTemplate`` objects; and kiln's policy for every pod (probes, non-root, no secret values inline).
+
+Sources (read with the search tools; nothing copied):
+
+* Per-rank flags: ``triton-inference-server/tensorrtllm_backend`` @ c2e65b8 ``scripts/launch_triton_server.py``.
+  kiln adds ``--allow-http=false --allow-grpc=false --allow-metrics=false`` on ranks above 0, as NVIDIA's
+  multi-node example does (``kubernetes-sigs/lws`` ``docs/examples/tensorrt-llm/build/server.py``, adapted
+  from ``triton-inference-server/tutorials`` EKS_Multinode_Triton_TRTLLM): every rank would otherwise be
+  told to bind the same three ports.
+* LeaderWorkerSet fields, enums, pod host names and injected variables (``LWS_LEADER_ADDRESS`` =
+  ``<lws>-<group>.<subdomain>.<namespace>``, ``LWS_GROUP_SIZE``): ``kubernetes-sigs/lws``
+  ``api/leaderworkerset/v1/leaderworkerset_types.go`` and ``pkg/utils/pod/pod_utils.go`` @ 060ab4da.
+* The serving images have a user ``triton-server`` with uid/gid 1000 (``triton-inference-server/server``
+  ``build.py``: "Make sure that this user is given ID 1000") and no ``sshd`` (``openssh-server`` is only
+  installed for the retired FasterTransformer backend).
+* Docker settings (``--shm-size``, ``--ulimit memlock=-1 --ulimit stack=67108864``): NVIDIA's container
+  guidance for Triton / TensorRT-LLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shlex
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from kiln.util.errors import InputError
+
+if TYPE_CHECKING:  # only for the annotation of DeployInfo.from_recipe
+    from kiln.recipe.schema import Recipe
+
+#: Where compose and Kubernetes mount the model repository inside the container.
+CONTAINER_REPO = "/models"
+#: The non-root user of the NGC tritonserver images (``triton-server``, uid/gid 1000).
+RUN_AS_UID = 1000
+#: Shared memory for NCCL and the Python backend (Docker's 64 MiB default is far too small).
+SHM_SIZE_GIB = 4
+#: Port the worker pods' ``sshd`` listens on (unprivileged: it runs as uid 1000).
+SSH_PORT = 2222
+#: How long a multi-node leader waits for its workers' sshd before giving up (seconds; env override).
+WORKER_WAIT_S = 600
+#: Longest name kiln gives a Kubernetes object. LeaderWorkerSet pods are ``<name>-<group>-<worker>`` and
+#: their StatefulSets add a ``controller-revision-hash`` label ``<name>-<group>-<10 chars>``, which must
+#: stay within 63 characters; 40 leaves room for suffixes such as ``-model-repo``.
+NAME_MAX = 40
+
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+LWS_KIND = "LeaderWorkerSet"
+
+#: Kubernetes versions the manifests are validated against by default: the oldest kiln supports (a
+#: version every ``kubernetes-validate>=1.30`` bundles) and the newest the installed package bundles.
+MIN_KUBERNETES_VERSION = "1.30"
+
+#: Files kiln writes under ``k8s/``; any of them left from an earlier package run is removed.
+K8S_FILES = ("deployment.yaml", "service.yaml", "leaderworkerset.yaml", "configmap.yaml")
+
+_REFERENCE_NOTE = "# target: reference -- the CPU test and development vehicle, not a fast path; no GPU is reserved."
+_REPO_MARK = "\x00KILN_MODEL_REPO\x00"  # stands for "${MODEL_REPO}" while argv lists are rendered to shell
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+_SECRETISH_ENV = re.compile(r"TOKEN|SECRET|PASSW|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL", re.IGNORECASE)
+
+
+# ----------------------------------------------------------------------------------------- what to deploy
+
+
+@dataclass(frozen=True)
+class DeployInfo:
+    """What the deployment files need to know about a packaged recipe.
+
+    Attributes:
+        recipe_name: The recipe's ``name``; Kubernetes names derive from it (:func:`k8s_name`).
+        image: The serving container (``kiln.json``'s tag, e.g.
+            ``nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3``).
+        world_size: Ranks of the engine: ``parallelism.tp × parallelism.pp``.
+        gpus_per_node: ``hardware.gpus_per_node``; a larger world size spans several nodes.
+        http_port: ``serving.http_port``.
+        grpc_port: ``serving.grpc_port``.
+        metrics_port: ``serving.metrics_port``.
+        gpu: False for ``target: reference`` (the CPU test and development vehicle): no GPU is reserved.
+        hub_token_secret: Name of a Kubernetes Secret whose key ``HF_TOKEN`` is passed to the server as the
+            ``HF_TOKEN`` variable (``secretKeyRef``; the value never appears in a file kiln writes).
+        tensorrt_llm_model_names: Models ranks above 0 load in leader mode: ``tensorrt_llm`` plus the draft
+            model's name for draft/target speculative decoding.
+    """
+
+    recipe_name: str
+    image: str
+    world_size: int
+    gpus_per_node: int
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    gpu: bool
+    hub_token_secret: str | None = None
+    tensorrt_llm_model_names: tuple[str, ...] = ("tensorrt_llm",)
+
+    def __post_init__(self) -> None:
+        if not self.recipe_name.strip():
+            raise InputError("deploy: the recipe name is empty; set `name` in the recipe")
+        if not self.image.strip() or any(c.isspace() for c in self.image):
+            raise InputError(f"deploy: {self.image!r} is not a container image reference (kiln.json `image`)")
+        if self.world_size < 1:
+            raise InputError(
+                f"deploy: world size {self.world_size} < 1; parallelism.tp × parallelism.pp must be ≥ 1"
+            )
+        if self.gpus_per_node < 1:
+            raise InputError(f"deploy: hardware.gpus_per_node is {self.gpus_per_node}; it must be ≥ 1")
+        ports = {"serving.http_port": self.http_port, "serving.grpc_port": self.grpc_port,
+                 "serving.metrics_port": self.metrics_port}
+        for key, port in ports.items():
+            if not 1 <= port <= 65_535:
+                raise InputError(f"deploy: {key} is {port}; use a port between 1 and 65535")
+        if len(set(ports.values())) != len(ports):
+            raise InputError(
+                "deploy: serving.http_port, serving.grpc_port and serving.metrics_port must differ "
+                f"(got {self.http_port}, {self.grpc_port}, {self.metrics_port})"
+            )
+        if SSH_PORT in ports.values() and self.multi_node:
+            raise InputError(
+                f"deploy: port {SSH_PORT} is used by the multi-node workers' sshd; pick other serving.*_port values"
+            )
+        if not self.gpu and self.world_size != 1:
+            raise InputError(
+                "deploy: target: reference runs in one CPU process; set parallelism.tp and parallelism.pp to 1 "
+                f"(their product is {self.world_size})"
+            )
+        if self.hub_token_secret is not None and not (
+            len(self.hub_token_secret) <= 253 and _DNS1123_SUBDOMAIN.match(self.hub_token_secret)
+        ):
+            raise InputError(
+                f"deploy: hub token secret {self.hub_token_secret!r} is not a valid Kubernetes Secret name "
+                "(lower-case letters, digits, '-' and '.', at most 253 characters)"
+            )
+        if not self.tensorrt_llm_model_names:
+            raise InputError("deploy: no tensorrt_llm model names; ranks above 0 must load at least one model")
+        for model in self.tensorrt_llm_model_names:
+            if not _MODEL_NAME.match(model):
+                raise InputError(f"deploy: {model!r} is not a Triton model directory name")
+
+    @property
+    def multi_node(self) -> bool:
+        """True when the ranks do not fit on one node (Kubernetes then uses a LeaderWorkerSet)."""
+        return self.world_size > self.gpus_per_node
+
+    @property
+    def pods_per_group(self) -> int:
+        """Pods per LeaderWorkerSet group: ``ceil(world_size / gpus_per_node)`` (1 on a single node)."""
+        return -(-self.world_size // self.gpus_per_node)
+
+    @property
+    def gpus_per_pod(self) -> int:
+        """GPUs each pod reserves (0 for the reference target)."""
+        if not self.gpu:
+            return 0
+        return self.gpus_per_node if self.multi_node else self.world_size
+
+    @classmethod
+    def from_recipe(
+        cls,
+        recipe: Recipe,
+        image: str,
+        *,
+        hub_token_secret: str | None = None,
+        draft_model_name: str | None = None,
+    ) -> DeployInfo:
+        """The deploy facts of ``recipe``: world size, GPUs per node, ports and target.
+
+        ``draft_model_name`` is the draft model's directory in the repository (draft/target speculative
+        decoding); ranks above 0 then load it too.
+        """
+        names = ("tensorrt_llm",) + ((draft_model_name,) if draft_model_name else ())
+        return cls(
+            recipe_name=recipe.name,
+            image=image,
+            world_size=recipe.parallelism.tp * recipe.parallelism.pp,
+            gpus_per_node=recipe.hardware.gpus_per_node,
+            http_port=recipe.serving.http_port,
+            grpc_port=recipe.serving.grpc_port,
+            metrics_port=recipe.serving.metrics_port,
+            gpu=recipe.target == "tensorrt",
+            hub_token_secret=hub_token_secret,
+            tensorrt_llm_model_names=names,
+        )
+
+
+def k8s_name(recipe_name: str) -> str:
+    """A Kubernetes object name for ``recipe_name``: a DNS-1035 label (so valid for Services too) of at most
+    :data:`NAME_MAX` characters. ``.``/``_`` become ``-``; a name not starting with a letter gets ``kiln-``
+    in front; a long name is cut and ends in 8 hex digits of its hash, so distinct recipes stay distinct."""
+    base = re.sub(r"[^a-z0-9]+", "-", recipe_name.lower()).strip("-")
+    if not base or not base[0].isalpha():
+        base = f"kiln-{base}".rstrip("-")
+    if len(base) > NAME_MAX:
+        digest = hashlib.sha256(recipe_name.encode()).hexdigest()[:8]
+        base = f"{base[: NAME_MAX - len(digest) - 1].rstrip('-')}-{digest}"
+    return base
+
+
+# ------------------------------------------------------------------------------------------ the command
+
+
+def launch_command(info: DeployInfo, repo: str) -> list[list[str]]:
+    """The ``tritonserver`` argv of every rank, rank 0 first (one list when ``world_size == 1``).
+
+    Every rank: ``--model-repository``, the three ports, ``--disable-auto-complete-config`` (kiln writes
+    complete configs). With more than one rank, each also gets its own Python-backend shared-memory prefix,
+    and ranks above 0 load only :attr:`DeployInfo.tensorrt_llm_model_names` and open no endpoints. Join
+    them with :func:`mpirun_command`; :func:`server_command` gives the argv for one host.
+    """
+    ranks: list[list[str]] = []
+    for rank in range(info.world_size):
+        argv = [
+            "tritonserver",
+            f"--model-repository={repo}",
+            f"--http-port={info.http_port}",
+            f"--grpc-port={info.grpc_port}",
+            f"--metrics-port={info.metrics_port}",
+            "--disable-auto-complete-config",
+        ]
+        if not info.gpu:
+            argv.append("--allow-gpu-metrics=false")  # reference target: no GPU to read metrics from
+        if info.world_size > 1:
+            argv.append(f"--backend-config=python,shm-region-prefix-name=prefix{rank}_")
+        if rank > 0:
+            argv.append("--model-control-mode=explicit")
+            argv += [f"--load-model={name}" for name in info.tensorrt_llm_model_names]
+            argv += ["--allow-http=false", "--allow-grpc=false", "--allow-metrics=false"]
+        ranks.append(argv)
+    return ranks
+
+
+def mpirun_command(info: DeployInfo, repo: str, *, mpirun_args: Sequence[str] = ()) -> list[str]:
+    """``mpirun --allow-run-as-root [mpirun_args] -n 1 <rank 0> : -n 1 <rank 1> : ...`` (leader mode)."""
+    argv = ["mpirun", "--allow-run-as-root", *mpirun_args]
+    for rank, rank_argv in enumerate(launch_command(info, repo)):
+        if rank:
+            argv.append(":")
+        argv += ["-n", "1", *rank_argv]
+    return argv
+
+
+def server_command(info: DeployInfo, repo: str) -> list[str]:
+    """The argv that starts the server on one host: ``tritonserver ...`` for one rank, else ``mpirun ...``."""
+    if info.world_size == 1:
+        return launch_command(info, repo)[0]
+    return mpirun_command(info, repo)
+
+
+def _sh(word: str) -> str:
+    """Quote one argv word for bash; the repository marker becomes a quoted ``${MODEL_REPO}``."""
+    if _REPO_MARK not in word:
+        return shlex.quote(word)
+    escaped = re.sub(r'([\\"$`])', r"\\\1", word)
+    return '"' + escaped.replace(_REPO_MARK, "${MODEL_REPO}") + '"'
+
+
+def render_launch_script(info: DeployInfo) -> str:
+    """The text of ``launch.sh`` (see the module docstring)."""
+    lines = [
+        "#!/usr/bin/env bash",
+        f"# Start Triton Inference Server for kiln recipe {info.recipe_name!r}: {info.world_size} rank(s).",
+        "# Written by kiln; change the recipe and package again rather than editing this file.",
+    ]
+    if not info.gpu:
+        lines.append("# target: reference -- the CPU test and development vehicle, not a fast path; no GPU is used.")
+    lines += [
+        "#",
+        "# Environment:",
+        f"#   MODEL_REPO         the model repository (default {CONTAINER_REPO}, where docker-compose.yml and the",
+        "#                      Kubernetes manifests mount it; set it to run on a host with tritonserver installed)",
+    ]
+    if info.world_size > 1:
+        lines += [
+            "#   KILN_MPI_HOSTFILE  spread the ranks over several nodes: an Open MPI hostfile, this node first,",
+            "#                      `<host> slots=<GPUs>` per line (k8s leader.sh writes it). Remote ranks start",
+            "#                      over ssh (OMPI_MCA_plm_rsh_args); empty: every rank on this host.",
+        ]
+    lines += [
+        "set -euo pipefail",
+        "",
+        f'MODEL_REPO="${{MODEL_REPO:-{CONTAINER_REPO}}}"',
+        'if [[ ! -d "${MODEL_REPO}" ]]; then',
+        '  echo "launch.sh: model repository ${MODEL_REPO} is not a directory; set MODEL_REPO" >&2',
+        "  exit 2",
+        "fi",
+        "",
+    ]
+    ranks = launch_command(info, _REPO_MARK)
+    if info.world_size == 1:
+        lines.append("exec " + " ".join(_sh(w) for w in ranks[0]))
+        return "\n".join(lines) + "\n"
+    lines += [
+        "mpi_args=(--allow-run-as-root)",
+        'if [[ -n "${KILN_MPI_HOSTFILE:-}" ]]; then',
+        "  # --prefix lets the remote side find Open MPI's daemon; -x forwards what the ranks need.",
+        '  mpi_prefix="$(dirname "$(dirname "$(command -v mpirun)")")"',
+        '  mpi_args+=(--hostfile "${KILN_MPI_HOSTFILE}" --prefix "${mpi_prefix}" -x PATH -x LD_LIBRARY_PATH -x HOME)',
+        "fi",
+        "",
+        "# Rank 0 loads the whole repository and serves; ranks above 0 load only the TensorRT-LLM model(s).",
+        'exec mpirun "${mpi_args[@]}" \\',
+    ]
+    for rank, argv in enumerate(ranks):
+        prefix = "  " if rank == 0 else "  : "
+        tail = " \\" if rank < len(ranks) - 1 else ""
+        lines.append(prefix + "-n 1 " + " ".join(_sh(w) for w in argv) + tail)
+    return "\n".join(lines) + "\n"
+
+
+# -------------------------------------------------------------------------------------------- compose
+
+
+def compose_spec(info: DeployInfo, repo_source: str) -> dict[str, Any]:
+    """The Docker Compose document: one ``triton`` service; ``repo_source`` is the repository's path as the
+    compose file sees it (relative to its directory)."""
+    service: dict[str, Any] = {
+        "image": info.image,
+        "command": server_command(info, CONTAINER_REPO),
+        "user": f"{RUN_AS_UID}:{RUN_AS_UID}",
+        "init": True,
+        "environment": ["HOME=/tmp"] + (["HF_TOKEN"] if info.hub_token_secret else []),
+        "ports": [f"{p}:{p}" for p in (info.http_port, info.grpc_port, info.metrics_port)],
+        "shm_size": f"{SHM_SIZE_GIB}gb",
+        "ulimits": {"memlock": -1, "stack": 67108864},
+        "volumes": [{"type": "bind", "source": repo_source, "target": CONTAINER_REPO, "read_only": True}],
+        "healthcheck": {
+            "test": ["CMD", "curl", "-fsS", f"http://localhost:{info.http_port}/v2/health/ready"],
+            "interval": "15s",
+            "timeout": "5s",
+            "retries": 3,
+            "start_period": "30m",  # loading engines can take many minutes
+        },
+        "stop_grace_period": "60s",
+    }
+    if info.gpu:
+        service["deploy"] = {
+            "resources": {
+                "reservations": {"devices": [{"driver": "nvidia", "count": info.world_size, "capabilities": ["gpu"]}]}
+            }
+        }
+    return {"name": k8s_name(info.recipe_name), "services": {"triton": service}}
+
+
+def _compose_header(info: DeployInfo) -> str:
+    lines = [
+        f"# Triton for kiln recipe {info.recipe_name!r} on one host: `docker compose up -d` (see README.md).",
+        "# Written by kiln; change the recipe and package again rather than editing this file.",
+    ]
+    if not info.gpu:
+        lines.append(_REFERENCE_NOTE)
+    elif info.multi_node:
+        lines.append(
+            f"# {info.world_size} ranks > hardware.gpus_per_node ({info.gpus_per_node}): this needs one host with "
+            f"{info.world_size} GPUs; across nodes use k8s/leaderworkerset.yaml."
+        )
+    if info.hub_token_secret:
+        lines.append("# HF_TOKEN is passed through from the shell that runs `docker compose` (never stored here).")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------- Kubernetes
+
+
+def _labels(info: DeployInfo, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": k8s_name(info.recipe_name),
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": "kiln",
+    }
+
+
+def _selector(info: DeployInfo, component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": k8s_name(info.recipe_name), "app.kubernetes.io/component": component}
+
+
+def _prometheus(info: DeployInfo) -> dict[str, str]:
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(info.metrics_port),
+        "prometheus.io/path": "/metrics",
+    }
+
+
+def pvc_name(info: DeployInfo) -> str:
+    """The PersistentVolumeClaim holding the model repository (created by the user, see README.md)."""
+    return f"{k8s_name(info.recipe_name)}-model-repo"
+
+
+def ssh_secret_name(info: DeployInfo) -> str:
+    """The Secret with the ssh key pair ``mpirun`` uses between pods of a multi-node group."""
+    return f"{k8s_name(info.recipe_name)}-mpi-ssh"
+
+
+def _configmap_name(info: DeployInfo) -> str:
+    return f"{k8s_name(info.recipe_name)}-scripts"
+
+
+def _env(info: DeployInfo, *, hub_token: bool = True) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}]  # uid 1000 has no home directory
+    if hub_token and info.hub_token_secret:
+        env.append(
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": info.hub_token_secret, "key": "HF_TOKEN"}}}
+        )
+    return env
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_UID,
+        "runAsGroup": RUN_AS_UID,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _http_probes(info: DeployInfo) -> dict[str, Any]:
+    def get(path: str, period: int, failures: int) -> dict[str, Any]:
+        return {
+            "httpGet": {"path": path, "port": "http"},
+            "periodSeconds": period,
+            "timeoutSeconds": 5,
+            "failureThreshold": failures,
+        }
+
+    return {
+        # Triton opens its endpoints only after loading every model: give start-up up to 30 minutes.
+        "startupProbe": get("/v2/health/ready", 10, 180),
+        "readinessProbe": get("/v2/health/ready", 10, 3),
+        "livenessProbe": get("/v2/health/live", 15, 4),
+    }
+
+
+def _tcp_probes(port: str) -> dict[str, Any]:
+    def tcp(period: int, failures: int) -> dict[str, Any]:
+        return {"tcpSocket": {"port": port}, "periodSeconds": period, "timeoutSeconds": 5, "failureThreshold": failures}
+
+    return {"startupProbe": tcp(5, 60), "readinessProbe": tcp(10, 3), "livenessProbe": tcp(15, 4)}
+
+
+def _server_ports(info: DeployInfo) -> list[dict[str, Any]]:
+    return [
+        {"name": "http", "containerPort": info.http_port, "protocol": "TCP"},
+        {"name": "grpc", "containerPort": info.grpc_port, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": info.metrics_port, "protocol": "TCP"},
+    ]
+
+
+def _resources(info: DeployInfo) -> dict[str, Any]:
+    if not info.gpu:
+        return {}  # reference target: CPU only, no GPU reserved
+    return {"limits": {"nvidia.com/gpu": info.gpus_per_pod}}
+
+
+def _base_volumes(info: DeployInfo) -> list[dict[str, Any]]:
+    return [
+        {"name": "model-repo", "persistentVolumeClaim": {"claimName": pvc_name(info), "readOnly": True}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{SHM_SIZE_GIB}Gi"}},
+    ]
+
+
+def _base_mounts() -> list[dict[str, Any]]:
+    return [
+        {"name": "model-repo", "mountPath": CONTAINER_REPO, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+
+
+def _pod_spec(info: DeployInfo, container: dict[str, Any], volumes: list[dict[str, Any]]) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 60,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_UID,
+            "runAsGroup": RUN_AS_UID,
+            "fsGroup": RUN_AS_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if info.gpu:
+        spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    return spec
+
+
+def _server_container(info: DeployInfo, command: list[str], mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "name": "triton",
+        "image": info.image,
+        "command": command,
+        "ports": _server_ports(info),
+        "env": _env(info),
+        "resources": _resources(info),
+        **_http_probes(info),
+        "volumeMounts": mounts,
+        "securityContext": _container_security(),
+    }
+
+
+def service_name(info: DeployInfo) -> str:
+    """The Service in front of the server: the recipe's name, or ``<name>-leader`` for a LeaderWorkerSet, whose
+    controller creates a headless Service called like the LWS itself (for the pods' DNS names)."""
+    base = k8s_name(info.recipe_name)
+    return f"{base}-leader" if info.multi_node else base
+
+
+def _service(info: DeployInfo, component: str) -> dict[str, Any]:
+    name = service_name(info)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "labels": _labels(info, component)},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": _selector(info, component),
+            "ports": [
+                {"name": "http", "port": info.http_port, "targetPort": "http", "protocol": "TCP"},
+                {"name": "grpc", "port": info.grpc_port, "targetPort": "grpc", "protocol": "TCP"},
+                {"name": "metrics", "port": info.metrics_port, "targetPort": "metrics", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def _deployment(info: DeployInfo) -> dict[str, Any]:
+    container = _server_container(info, server_command(info, CONTAINER_REPO), _base_mounts())
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": k8s_name(info.recipe_name), "labels": _labels(info, "server")},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": _selector(info, "server")},
+            # No surge: a second pod would need another world_size GPUs while the first still holds its own.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            "template": {
+                "metadata": {"labels": _labels(info, "server"), "annotations": _prometheus(info)},
+                "spec": _pod_spec(info, container, _base_volumes(info)),
+            },
+        },
+    }
+
+
+def render_leader_script(info: DeployInfo) -> str:
+    """``leader.sh`` (multi-node): write the hostfile from the LWS variables, wait for the workers' sshd,
+    then run ``launch.sh`` with ``KILN_MPI_HOSTFILE`` so that ``mpirun`` starts the remote ranks over ssh."""
+    return f"""#!/usr/bin/env bash
+# LeaderWorkerSet leader for kiln recipe {info.recipe_name!r}: runs rank 0 (and the ranks of this node), and
+# starts the other nodes' ranks with mpirun over ssh. Pod host names come from LWS: the leader is
+# <lws>-<group> and worker i is <lws>-<group>-<i>, in the subdomain of LWS_LEADER_ADDRESS.
+set -euo pipefail
+: "${{LWS_LEADER_ADDRESS:?not set: run this in a LeaderWorkerSet pod}}"
+: "${{LWS_GROUP_SIZE:?not set: run this in a LeaderWorkerSet pod}}"
+scripts="${{KILN_SCRIPTS_DIR:-/opt/kiln}}"   # the ConfigMap
+keys="${{KILN_SSH_KEYS:-/etc/kiln-ssh}}"     # the Secret {ssh_secret_name(info)!r}
+state="${{KILN_SSH_STATE:-/tmp/kiln-ssh}}"
+wait_s="${{KILN_WORKER_WAIT_S:-{WORKER_WAIT_S}}}"
+slots={info.gpus_per_node}
+leader_host="${{LWS_LEADER_ADDRESS%%.*}}"
+domain="${{LWS_LEADER_ADDRESS#*.}}"
+
+mkdir -p "${{state}}"
+install -m 600 "${{keys}}/id_ed25519" "${{state}}/id_ed25519"
+export OMPI_MCA_plm_rsh_agent=ssh
+# Host keys are made fresh by each worker at start: not checked (the group talks on the pod network only).
+ssh_opts=(-p {SSH_PORT} -i "${{state}}/id_ed25519" -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null)
+export OMPI_MCA_plm_rsh_args="${{ssh_opts[*]}} -o LogLevel=ERROR"
+
+hostfile="${{state}}/hostfile"
+echo "$(hostname) slots=${{slots}}" > "${{hostfile}}"   # this node first: ranks 0..slots-1 run here
+deadline=$((SECONDS + wait_s))
+for ((i = 1; i < LWS_GROUP_SIZE; i++)); do
+  worker="${{leader_host}}-${{i}}.${{domain}}"
+  until (exec 3<>"/dev/tcp/${{worker}}/{SSH_PORT}") 2>/dev/null; do
+    if ((SECONDS >= deadline)); then
+      echo "leader.sh: worker ${{worker}} has no sshd on port {SSH_PORT} after ${{wait_s}} s" >&2
+      exit 1
+    fi
+    sleep 2
+  done
+  echo "${{worker}} slots=${{slots}}" >> "${{hostfile}}"
+done
+export KILN_MPI_HOSTFILE="${{hostfile}}"
+exec bash "${{scripts}}/launch.sh"
+"""
+
+
+def render_worker_script(info: DeployInfo) -> str:
+    """``worker.sh`` (multi-node): run ``sshd`` as uid 1000 on port 2222 so the leader's ``mpirun`` can start
+    this node's ranks; the image must contain openssh-server (the stock NGC images do not)."""
+    return f"""#!/usr/bin/env bash
+# LeaderWorkerSet worker for kiln recipe {info.recipe_name!r}: an unprivileged sshd through which the leader's
+# mpirun starts this node's ranks. It accepts only the key pair of Secret {ssh_secret_name(info)!r}.
+set -euo pipefail
+keys="${{KILN_SSH_KEYS:-/etc/kiln-ssh}}"
+state="${{KILN_SSH_STATE:-/tmp/kiln-ssh}}"
+sshd_bin="$(command -v sshd || echo /usr/sbin/sshd)"
+if [[ ! -x "${{sshd_bin}}" ]]; then
+  echo "worker.sh: no sshd in this image; multi-node serving needs openssh-server and openssh-client" \\
+       "(README.md shows a two-line Dockerfile FROM the serving image)" >&2
+  exit 1
+fi
+mkdir -p "${{state}}"
+install -m 600 "${{keys}}/id_ed25519.pub" "${{state}}/authorized_keys"
+rm -f "${{state}}/host_key" "${{state}}/host_key.pub"
+ssh-keygen -q -t ed25519 -N '' -f "${{state}}/host_key"
+exec "${{sshd_bin}}" -D -e -f /dev/null -p {SSH_PORT} -h "${{state}}/host_key" \\
+  -o PidFile="${{state}}/sshd.pid" -o AuthorizedKeysFile="${{state}}/authorized_keys" \\
+  -o StrictModes=no -o UsePAM=no -o PasswordAuthentication=no -o KbdInteractiveAuthentication=no \\
+  -o PermitRootLogin=no -o AllowTcpForwarding=no -o X11Forwarding=no
+"""
+
+
+def _leaderworkerset(info: DeployInfo) -> list[dict[str, Any]]:
+    name = k8s_name(info.recipe_name)
+    scripts_mount = {"name": "scripts", "mountPath": "/opt/kiln", "readOnly": True}
+    ssh_mount = {"name": "mpi-ssh", "mountPath": "/etc/kiln-ssh", "readOnly": True}
+    volumes = _base_volumes(info) + [
+        {"name": "scripts", "configMap": {"name": _configmap_name(info), "defaultMode": 0o444}},
+        # group-readable for fsGroup 1000; the scripts copy the key into a 0600 file before use
+        {"name": "mpi-ssh", "secret": {"secretName": ssh_secret_name(info), "defaultMode": 0o440}},
+    ]
+    mounts = _base_mounts() + [scripts_mount, ssh_mount]
+    leader = _server_container(info, ["bash", "/opt/kiln/leader.sh"], mounts)
+    worker = {
+        "name": "worker",
+        "image": info.image,
+        "command": ["bash", "/opt/kiln/worker.sh"],
+        "ports": [{"name": "ssh", "containerPort": SSH_PORT, "protocol": "TCP"}],
+        "env": _env(info, hub_token=False),  # its ranks load only the engine: no hub access
+        "resources": _resources(info),
+        # Worker pods serve no HTTP (ranks above 0 open no endpoints): their probes watch sshd.
+        **_tcp_probes("ssh"),
+        "volumeMounts": mounts,
+        "securityContext": _container_security(),
+    }
+    lws = {
+        "apiVersion": LWS_API_VERSION,
+        "kind": LWS_KIND,
+        "metadata": {"name": name, "labels": _labels(info, "server")},
+        "spec": {
+            "replicas": 1,
+            # Workers must start while the leader is not ready yet: the leader waits for their sshd.
+            "startupPolicy": "LeaderCreated",
+            "leaderWorkerTemplate": {
+                "size": info.pods_per_group,
+                # mpirun cannot survive a lost rank: restart the whole group together.
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": {
+                    "metadata": {"labels": _labels(info, "leader"), "annotations": _prometheus(info)},
+                    "spec": _pod_spec(info, leader, volumes),
+                },
+                "workerTemplate": {
+                    "metadata": {"labels": _labels(info, "worker")},
+                    "spec": _pod_spec(info, worker, volumes),
+                },
+            },
+        },
+    }
+    return [lws]
+
+
+def _configmap(info: DeployInfo) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": _configmap_name(info), "labels": _labels(info, "scripts")},
+        "data": {
+            "launch.sh": render_launch_script(info),
+            "leader.sh": render_leader_script(info),
+            "worker.sh": render_worker_script(info),
+        },
+    }
+
+
+def k8s_objects(info: DeployInfo) -> dict[str, list[dict[str, Any]]]:
+    """The Kubernetes objects, by file name under ``k8s/``.
+
+    One node (``world_size <= gpus_per_node``): ``deployment.yaml`` + ``service.yaml``. Several nodes:
+    ``leaderworkerset.yaml`` (one group of ``world_size / gpus_per_node`` pods, each reserving
+    ``gpus_per_node`` GPUs), ``configmap.yaml`` (``launch.sh``, ``leader.sh``, ``worker.sh``) and
+    ``service.yaml`` (:func:`service_name`, in front of the leader). Multi-node design, stated plainly:
+
+    * the leader pod writes an Open MPI hostfile (itself, then ``<leader-host>-<i>.<subdomain>`` for each
+      worker, from ``LWS_LEADER_ADDRESS`` and ``LWS_GROUP_SIZE``), waits for each worker's sshd, and runs
+      ``launch.sh``; ``mpirun`` starts the remote ranks over ssh (port 2222, key pair from the Secret
+      :func:`ssh_secret_name`, which the user creates: no key is ever written by kiln);
+    * worker pods run an unprivileged ``sshd`` and nothing else until ``mpirun`` starts their ranks; this needs
+      an image with ``openssh-server`` (not in the stock NGC image: README.md shows a two-line Dockerfile);
+    * ``world_size`` must be a multiple of ``gpus_per_node`` (every pod is one full node: TensorRT-LLM maps a
+      rank to GPU ``rank % gpus_per_node``).
+
+    Raises :class:`InputError` when a multi-node world size does not divide into whole nodes.
+    """
+    if not info.multi_node:
+        return {"deployment.yaml": [_deployment(info)], "service.yaml": [_service(info, "server")]}
+    if info.world_size % info.gpus_per_node:
+        raise InputError(
+            f"deploy: parallelism.tp × parallelism.pp = {info.world_size} spans several nodes of "
+            f"hardware.gpus_per_node = {info.gpus_per_node} GPUs but is not a multiple of it; make tp × pp a "
+            "multiple of gpus_per_node (or set gpus_per_node to the GPUs each node really has)"
+        )
+    return {
+        "leaderworkerset.yaml": _leaderworkerset(info),
+        "configmap.yaml": [_configmap(info)],
+        "service.yaml": [_service(info, "leader")],
+    }
+
+
+# ------------------------------------------------------------------------------------------- README
+
+
+def render_readme(info: DeployInfo, repo_source: str) -> str:
+    """``README.md``: how to run the files in the deploy directory."""
+    h = info.http_port
+    k8s_files = sorted(k8s_objects(info))
+    lines = [
+        f"# Deploying `{info.recipe_name}`",
+        "",
+        f"Image: `{info.image}`. Ranks: {info.world_size} (tp × pp); "
+        + (f"{info.gpus_per_pod} GPU(s) per pod." if info.gpu else "CPU only."),
+        "",
+    ]
+    if not info.gpu:
+        lines += [
+            "This is a `target: reference` build: the quantized model runs in PyTorch on the CPU inside a Triton",
+            "Python model. It is a test and development vehicle, not a fast path; nothing here reserves a GPU.",
+            "",
+        ]
+    lines += [
+        "## One host: launch.sh",
+        "",
+        "Inside the serving image (or on a host with `tritonserver`"
+        + (" and `mpirun`" if info.world_size > 1 else "")
+        + "), with the repository mounted:",
+        "",
+        "```sh",
+        f"MODEL_REPO={CONTAINER_REPO} ./launch.sh",
+        "```",
+        "",
+        "## One host: Docker Compose",
+        "",
+        f"The repository is mounted read-only from `{repo_source}` (relative to this directory).",
+        "",
+        "```sh",
+        "docker compose up -d" + ("   # export HF_TOKEN first" if info.hub_token_secret else ""),
+        f"curl -fsS localhost:{h}/v2/health/ready && echo ready",
+        f"curl -s localhost:{h}/v2/models/ensemble/generate -d '{{\"text_input\": \"Hello\", \"max_tokens\": 32}}'",
+        "```",
+        "",
+        "## Kubernetes",
+        "",
+        f"Files: {', '.join(f'`k8s/{f}`' for f in k8s_files)}. The pods run as uid 1000 (the image's "
+        "`triton-server` user) without privileges.",
+        "",
+        f"1. Create a PersistentVolumeClaim `{pvc_name(info)}` holding the model repository at its root"
+        + (" (`ReadOnlyMany` or `ReadWriteMany`: every pod of the group mounts it)." if info.multi_node else "."),
+    ]
+    if info.hub_token_secret:
+        lines.append(
+            f"1. Create the Secret: `kubectl create secret generic {info.hub_token_secret} --from-literal=HF_TOKEN=...`"
+        )
+    if info.multi_node:
+        lines += [
+            "1. Install the LeaderWorkerSet controller (https://lws.sigs.k8s.io) in the cluster.",
+            "1. Build an image with ssh (the stock serving image has no `sshd`) and set it as `image:` in both",
+            "   templates of `k8s/leaderworkerset.yaml`:",
+            "",
+            "   ```dockerfile",
+            f"   FROM {info.image}",
+            "   RUN apt-get update && apt-get install -y --no-install-recommends openssh-server openssh-client \\",
+            "       && rm -rf /var/lib/apt/lists/*",
+            "   ```",
+            "",
+            "1. Create the key pair `mpirun` uses between the pods (kiln never writes keys):",
+            "",
+            "   ```sh",
+            "   ssh-keygen -t ed25519 -N '' -f mpi_ssh",
+            f"   kubectl create secret generic {ssh_secret_name(info)} \\",
+            "     --from-file=id_ed25519=mpi_ssh --from-file=id_ed25519.pub=mpi_ssh.pub",
+            "   ```",
+            "",
+            f"   Each group has {info.pods_per_group} pods of {info.gpus_per_node} GPUs. The leader waits for every",
+            f"   worker's sshd (port {SSH_PORT}), writes an Open MPI hostfile and runs `launch.sh`; rank 0 serves.",
+            "   Pods of a group must reach each other on any TCP port (Open MPI and NCCL); set NCCL",
+            "   interface variables for your network in the templates if needed.",
+        ]
+    lines += [
+        "1. Apply and try it:",
+        "",
+        "   ```sh",
+        "   kubectl apply -f k8s/",
+        f"   kubectl port-forward svc/{service_name(info)} {h}:{h}",
+        f"   curl -fsS localhost:{h}/v2/health/ready && echo ready",
+        "   ```",
+        "",
+        f"Prometheus scrapes the {'leader ' if info.multi_node else ''}pod's metrics port {info.metrics_port} "
+        "through the `prometheus.io/*` annotations.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------------- writing
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block-style YAML without anchors/aliases (shared sub-objects are written out in full)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _dump_yaml(docs: Iterable[dict[str, Any]], header: str = "") -> str:
+    body = yaml.dump_all(list(docs), Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
+    return header + body
+
+
+def _k8s_header(info: DeployInfo) -> str:
+    lines = [f"# kiln recipe {info.recipe_name!r}. Written by kiln; change the recipe and package again, don't edit."]
+    if not info.gpu:
+        lines.append(_REFERENCE_NOTE)
+    return "\n".join(lines) + "\n"
+
+
+def _repo_source(out_dir: Path, info: DeployInfo, model_repo: Path | str | None) -> str:
+    repo = Path(model_repo) if model_repo is not None else out_dir.parent.parent / "triton_repo" / info.recipe_name
+    rel = os.path.relpath(repo.resolve(), out_dir.resolve())
+    return rel if rel.startswith(("../", "/")) or rel == ".." else f"./{rel}"
+
+
+def write_deploy_files(info: DeployInfo, out_dir: Path, *, model_repo: Path | str | None = None) -> list[Path]:
+    """Write ``launch.sh`` (executable), ``docker-compose.yml``, ``k8s/*.yaml`` and ``README.md`` into
+    ``out_dir``; return the paths written.
+
+    ``model_repo`` is the model repository on this machine; compose mounts it by its path relative to
+    ``out_dir``. Default: ``<out_dir>/../../triton_repo/<recipe>`` (``deploy/<recipe>`` beside
+    ``triton_repo/<recipe>``). kiln's own ``k8s/`` files left from an earlier run are removed.
+    """
+    out_dir = Path(out_dir)
+    k8s_dir = out_dir / "k8s"
+    k8s_dir.mkdir(parents=True, exist_ok=True)
+    repo_source = _repo_source(out_dir, info, model_repo)
+    objects = k8s_objects(info)  # raises InputError before anything is written
+
+    written: list[Path] = []
+    launch = out_dir / "launch.sh"
+    launch.write_text(render_launch_script(info), encoding="utf-8")
+    launch.chmod(0o755)
+    written.append(launch)
+
+    compose = out_dir / "docker-compose.yml"
+    compose.write_text(_dump_yaml([compose_spec(info, repo_source)], _compose_header(info)), encoding="utf-8")
+    written.append(compose)
+
+    for stale in K8S_FILES:
+        if stale not in objects:
+            (k8s_dir / stale).unlink(missing_ok=True)
+    for file_name, docs in objects.items():
+        path = k8s_dir / file_name
+        path.write_text(_dump_yaml(docs, _k8s_header(info)), encoding="utf-8")
+        written.append(path)
+
+    readme = out_dir / "README.md"
+    readme.write_text(render_readme(info, repo_source), encoding="utf-8")
+    written.append(readme)
+    return written
+
+
+# ----------------------------------------------------------------------------------------- validation
+
+
+def default_kubernetes_versions() -> tuple[str, ...]:
+    """:data:`MIN_KUBERNETES_VERSION` and the newest schema version the installed kubernetes-validate bundles."""
+    import kubernetes_validate
+
+    return tuple(dict.fromkeys((MIN_KUBERNETES_VERSION, _major_minor(kubernetes_validate.latest_version()))))
+
+
+def _major_minor(version: str) -> str:
+    return ".".join(version.lstrip("v").split(".")[:2])
+
+
+def _path(parts: Iterable[Any]) -> str:
+    return ".".join(str(p) for p in parts) or "(top)"
+
+
+def _validate_core(doc: dict[str, Any], where: str, versions: Sequence[str]) -> list[str]:
+    """Strict kubernetes-validate of one core object against each version; one problem per failing version."""
+    import kubernetes_validate
+
+    problems = []
+    for version in versions:
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            problems.append(f"{where}: {_path(e.path)}: {e.message} (Kubernetes {e.version} schema, strict)")
+        except kubernetes_validate.SchemaNotFoundError as e:
+            problems.append(f"{where}: no schema, cannot validate: {e.message}")
+            break
+        except kubernetes_validate.utils.VersionNotSupportedError:
+            problems.append(
+                f"{where}: kubernetes-validate {kubernetes_validate.__version__} has no Kubernetes {version} schemas"
+            )
+    return problems
+
+
+# LeaderWorkerSet v1 fields (kubernetes-sigs/lws api/leaderworkerset/v1/leaderworkerset_types.go).
+_LWS_TOP = {"apiVersion", "kind", "metadata", "spec"}
+_LWS_SPEC = {"replicas", "leaderWorkerTemplate", "rolloutStrategy", "startupPolicy", "networkConfig"}
+_LWS_TEMPLATE = {
+    "leaderTemplate", "workerTemplate", "size", "restartPolicy", "subGroupPolicy",
+    "volumeClaimTemplates", "persistentVolumeClaimRetentionPolicy",
+}
+_LWS_ENUMS = {
+    "spec.startupPolicy": {"LeaderCreated", "LeaderReady"},
+    "spec.leaderWorkerTemplate.restartPolicy": {
+        "RecreateGroupOnPodRestart", "RecreateGroupAfterStart", "None", "Default",
+    },
+    "spec.rolloutStrategy.type": {"RollingUpdate"},
+    "spec.networkConfig.subdomainPolicy": {"Shared", "UniquePerReplica"},
+    "spec.leaderWorkerTemplate.subGroupPolicy.subGroupPolicyType": {"LeaderWorker", "LeaderExcluded"},
+    "spec.leaderWorkerTemplate.persistentVolumeClaimRetentionPolicy.whenDeleted": {"Retain", "Delete"},
+    "spec.leaderWorkerTemplate.persistentVolumeClaimRetentionPolicy.whenScaled": {"Retain", "Delete"},
+}
+_LWS_REQUIRED = {"spec.rolloutStrategy": "type", "spec.networkConfig": "subdomainPolicy"}
+_LWS_NESTED = {
+    "spec.rolloutStrategy": {"type", "rollingUpdateConfiguration"},
+    "spec.rolloutStrategy.rollingUpdateConfiguration": {"partition", "maxUnavailable", "maxSurge"},
+    "spec.networkConfig": {"subdomainPolicy"},
+    "spec.leaderWorkerTemplate.subGroupPolicy": {"subGroupPolicyType", "subGroupSize"},
+    "spec.leaderWorkerTemplate.persistentVolumeClaimRetentionPolicy": {"whenDeleted", "whenScaled"},
+}
+
+
+def _get(doc: Any, dotted: str) -> Any:
+    for key in dotted.split("."):
+        if not isinstance(doc, dict) or key not in doc:
+            return None
+        doc = doc[key]
+    return doc
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_lws(doc: dict[str, Any], where: str, versions: Sequence[str]) -> list[str]:
+    """kiln's checks of a LeaderWorkerSet (kubernetes-validate has no schema for this CRD)."""
+    problems: list[str] = []
+
+    def unknown(obj: Any, allowed: set[str], at: str) -> None:
+        if not isinstance(obj, dict):
+            problems.append(f"{where}: {at}: must be a mapping")
+            return
+        for key in sorted(set(obj) - allowed):
+            problems.append(
+                f"{where}: {at}.{key}: unknown field (LeaderWorkerSet v1 allows {', '.join(sorted(allowed))})"
+            )
+
+    unknown(doc, _LWS_TOP, "(top)")
+    spec = doc.get("spec")
+    if not isinstance(spec, dict):
+        return problems + [f"{where}: spec: missing"]
+    unknown(spec, _LWS_SPEC, "spec")
+    replicas = spec.get("replicas", 1)
+    if not _is_int(replicas) or not 0 <= replicas <= 1_000_000:
+        problems.append(f"{where}: spec.replicas: {replicas!r} is not an integer from 0 to 1000000")
+    lwt = spec.get("leaderWorkerTemplate")
+    if not isinstance(lwt, dict):
+        return problems + [f"{where}: spec.leaderWorkerTemplate: missing"]
+    unknown(lwt, _LWS_TEMPLATE, "spec.leaderWorkerTemplate")
+    size = lwt.get("size", 1)
+    if not _is_int(size) or size < 1:
+        problems.append(f"{where}: spec.leaderWorkerTemplate.size: {size!r} is not an integer ≥ 1")
+    for dotted, allowed in _LWS_NESTED.items():
+        value = _get(doc, dotted)
+        if value is not None:
+            unknown(value, allowed, dotted)
+    for dotted, key in _LWS_REQUIRED.items():
+        value = _get(doc, dotted)
+        if isinstance(value, dict) and key not in value:
+            problems.append(f"{where}: {dotted}.{key}: missing (required)")
+    for dotted, values in _LWS_ENUMS.items():
+        value = _get(doc, dotted)
+        if value is not None and value not in values:
+            problems.append(f"{where}: {dotted}: {value!r} is not one of {', '.join(sorted(values))}")
+    sub_size = _get(doc, "spec.leaderWorkerTemplate.subGroupPolicy.subGroupSize")
+    if sub_size is not None and (not _is_int(sub_size) or sub_size < 1 or (_is_int(size) and sub_size > size)):
+        problems.append(f"{where}: spec.leaderWorkerTemplate.subGroupPolicy.subGroupSize: {sub_size!r} must be 1..size")
+    if "workerTemplate" not in lwt:
+        problems.append(f"{where}: spec.leaderWorkerTemplate.workerTemplate: missing (required)")
+
+    # The pod templates are core PodTemplateSpecs: validate each strictly, wrapped in a core PodTemplate
+    # that carries the LWS's own metadata (so ObjectMeta is checked too).
+    for role in ("leaderTemplate", "workerTemplate"):
+        template = lwt.get(role)
+        if template is None:
+            continue
+        wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": doc.get("metadata"), "template": template}
+        for problem in _validate_core(wrapped, f"{where} {role}", versions):
+            problems.append(problem.replace(": template.", ": spec.leaderWorkerTemplate." + role + ".", 1))
+    for i, claim in enumerate(lwt.get("volumeClaimTemplates") or []):
+        wrapped = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", **claim} if isinstance(claim, dict) else claim
+        problems += _validate_core(wrapped, f"{where} volumeClaimTemplates[{i}]", versions)
+    return problems
+
+
+def _pod_templates(doc: dict[str, Any], where: str) -> list[tuple[str, Any]]:
+    """``(label, pod template)`` of every pod an object creates."""
+    kind = doc.get("kind")
+    if kind == LWS_KIND:
+        lwt = _get(doc, "spec.leaderWorkerTemplate") or {}
+        return [(f"{where} {role}", lwt[role]) for role in ("leaderTemplate", "workerTemplate") if role in lwt]
+    if kind in {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}:
+        return [(f"{where} template", _get(doc, "spec.template"))]
+    if kind == "Pod":
+        return [(where, doc)]
+    return []
+
+
+def _check_pod(template: Any, where: str) -> list[str]:
+    """kiln's policy for a pod: probes, non-root, no privilege escalation, no secret values inline."""
+    spec = template.get("spec") if isinstance(template, dict) else None
+    if not isinstance(spec, dict):
+        return [f"{where}: spec: missing"]
+    problems = []
+    pod_security = spec.get("securityContext") or {}
+    if pod_security.get("runAsNonRoot") is not True:
+        problems.append(f"{where}: spec.securityContext.runAsNonRoot: must be true")
+    if pod_security.get("runAsUser") == 0:
+        problems.append(f"{where}: spec.securityContext.runAsUser: must not be 0 (root)")
+    for c in spec.get("containers") or []:
+        if not isinstance(c, dict):
+            continue
+        at = f"{where}: container {c.get('name', '?')!r}"
+        for probe in ("readinessProbe", "livenessProbe"):
+            if probe not in c:
+                problems.append(f"{at}: no {probe}")
+        security = c.get("securityContext") or {}
+        if security.get("allowPrivilegeEscalation") is not False:
+            problems.append(f"{at}: securityContext.allowPrivilegeEscalation: must be false")
+        if "ALL" not in ((security.get("capabilities") or {}).get("drop") or []):
+            problems.append(f"{at}: securityContext.capabilities.drop: must contain ALL")
+        if security.get("privileged") is True or security.get("runAsUser") == 0:
+            problems.append(f"{at}: securityContext: must not run privileged or as root")
+        for var in c.get("env") or []:
+            if isinstance(var, dict) and "value" in var and _SECRETISH_ENV.search(str(var.get("name", ""))):
+                problems.append(
+                    f"{at}: env {var['name']}: a secret value inline; use valueFrom.secretKeyRef"
+                )
+        resources = c.get("resources") or {}
+        limit = (resources.get("limits") or {}).get("nvidia.com/gpu")
+        request = (resources.get("requests") or {}).get("nvidia.com/gpu")
+        if request is not None and str(request) != str(limit):
+            problems.append(f"{at}: resources: nvidia.com/gpu request {request} must equal its limit {limit}")
+    mounts = {m.get("mountPath"): m.get("name") for c in spec.get("containers") or [] if isinstance(c, dict)
+              for m in c.get("volumeMounts") or [] if isinstance(m, dict)}
+    shm = mounts.get("/dev/shm")
+    if shm is not None:
+        volume = next((v for v in spec.get("volumes") or [] if isinstance(v, dict) and v.get("name") == shm), None)
+        if not volume or (volume.get("emptyDir") or {}).get("medium") != "Memory":
+            problems.append(f"{where}: /dev/shm: must be an emptyDir with medium: Memory")
+    return problems
+
+
+def _check_names(doc: dict[str, Any], where: str) -> list[str]:
+    name = _get(doc, "metadata.name")
+    if not isinstance(name, str) or not name:
+        return [f"{where}: metadata.name: missing"]
+    if len(name) > 63 or not _DNS1123_LABEL.match(name):
+        return [f"{where}: metadata.name: {name!r} is not a DNS-1123 label (a-z, 0-9, '-', at most 63 characters)"]
+    if doc.get("kind") == "Service" and not name[0].isalpha():
+        return [f"{where}: metadata.name: a Service name must start with a letter (DNS-1035)"]
+    return []
+
+
+def validate_manifests(paths: Sequence[Path], *, kubernetes_versions: Sequence[str] | None = None) -> list[str]:
+    """Problems in Kubernetes manifest files; ``[]`` when every object is valid.
+
+    Core kinds are validated by kubernetes-validate in strict mode (unknown fields are errors) against
+    ``kubernetes_versions`` (default :func:`default_kubernetes_versions`). A LeaderWorkerSet, for which it has
+    no schema, gets kiln's field checks and strict validation of its pod templates as core ``PodTemplate``
+    objects. Every object's name must be a DNS-1123 label, and every pod must follow kiln's policy (readiness
+    and liveness probes, non-root, no privilege escalation, all capabilities dropped, no secret values inline,
+    ``/dev/shm`` in memory). Each problem names the file, the object and the field.
+    """
+    versions = tuple(kubernetes_versions) if kubernetes_versions else default_kubernetes_versions()
+    problems: list[str] = []
+    for path in paths:
+        path = Path(path)
+        try:
+            docs = [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d is not None]
+        except (OSError, yaml.YAMLError) as e:
+            problems.append(f"{path}: cannot read as YAML: {e}")
+            continue
+        if not docs:
+            problems.append(f"{path}: no Kubernetes object in the file")
+        for doc in docs:
+            if not isinstance(doc, dict) or not doc.get("apiVersion") or not doc.get("kind"):
+                problems.append(f"{path}: an object without apiVersion and kind")
+                continue
+            where = f"{path.name}: {doc['kind']}/{_get(doc, 'metadata.name')}"
+            if doc["kind"] == LWS_KIND:
+                if doc["apiVersion"] != LWS_API_VERSION:
+                    problems.append(f"{where}: apiVersion {doc['apiVersion']!r}; kiln writes {LWS_API_VERSION}")
+                problems += _check_lws(doc, where, versions)
+            else:
+                problems += _validate_core(doc, where, versions)
+            problems += _check_names(doc, where)
+            for pod_where, template in _pod_templates(doc, where):
+                problems += _check_pod(template, pod_where)
+    return problems

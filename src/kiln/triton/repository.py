@@ -1,0 +1,398 @@
+"""Write a complete Triton model repository (inflight_batcher_llm layout) for a recipe.
+
+Every `config.pbtxt` is built as a real `ModelConfig` protobuf message and serialised with protobuf's own text
+format, so it parses by construction and no `${placeholder}` can survive. Tensor names and types come from the
+upstream contract (:mod:`kiln.triton.upstream`); kiln's own Python models implement a documented subset of the
+pre/post-processing and BLS tensors, and the CPU reference runtime the subset listed in `REFERENCE_TRTLLM_*`.
+
+Layout (`triton_repo/<recipe>/`):
+    preprocessing/   python, kiln's tokenizer model, tokenizer copied into 1/tokenizer
+    tensorrt_llm/    tensorrt: backend tensorrtllm, engine in 1/engine (gpt_model_path /models/tensorrt_llm/1/engine)
+                     reference: python, kiln's CPU runtime, quantized checkpoint in 1/checkpoint, the limits it
+                     runs with in 1/engine/config.json
+    postprocessing/  python, kiln's detokenizer
+    ensemble/        pre → tensorrt_llm → post
+    tensorrt_llm_bls/ python, kiln's BLS (drives draft+target speculative decoding when there is a draft)
+    tensorrt_llm_draft/ the draft model, when the recipe has one
+    kiln.json        recipe, fingerprint, engine versions, serving container, server command
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from kiln.recipe.schema import Recipe
+from kiln.triton.upstream import MODELS, TensorSpec, container_for
+
+CONTAINER_MODEL_ROOT = "/models"
+
+# kiln's Python models implement these tensors (see src/kiln/triton/models/*/model.py).
+PRE_INPUTS = ("QUERY", "REQUEST_OUTPUT_LEN", "BAD_WORDS_DICT", "STOP_WORDS_DICT", "END_ID", "PAD_ID")
+PRE_OUTPUTS = ("INPUT_ID", "REQUEST_INPUT_LEN", "BAD_WORDS_IDS", "STOP_WORDS_IDS", "REQUEST_OUTPUT_LEN",
+               "OUT_END_ID", "OUT_PAD_ID")
+POST_INPUTS = ("TOKENS_BATCH", "SEQUENCE_LENGTH")
+POST_OUTPUTS = ("OUTPUT",)
+REFERENCE_TRTLLM_INPUTS = (
+    "input_ids", "input_lengths", "request_output_len", "num_return_sequences", "draft_input_ids", "end_id",
+    "pad_id", "stop_words_list", "bad_words_list", "beam_width", "temperature", "runtime_top_k", "runtime_top_p",
+    "len_penalty", "repetition_penalty", "min_tokens", "presence_penalty", "frequency_penalty", "seed",
+    "return_log_probs", "exclude_input_in_output", "streaming",
+)
+REFERENCE_TRTLLM_OUTPUTS = ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs")
+BLS_INPUTS = ("text_input", "max_tokens", "bad_words", "stop_words", "exclude_input_in_output", "end_id", "pad_id",
+              "top_k", "top_p", "temperature", "length_penalty", "repetition_penalty", "min_tokens",
+              "presence_penalty", "frequency_penalty", "seed", "return_log_probs", "num_return_sequences",
+              "beam_width", "stream", "num_draft_tokens")
+BLS_OUTPUTS = ("text_output", "cum_log_probs", "output_log_probs")
+FILLED_TYPES = {"${logits_datatype}": "TYPE_FP32", "${prompt_embedding_table_data_type}": "TYPE_FP16",
+                "${encoder_input_features_data_type}": "TYPE_FP16"}
+PYTHON_MODEL_SOURCES = {"preprocessing": "preprocessing", "postprocessing": "postprocessing",
+                        "tensorrt_llm": "reference", "tensorrt_llm_draft": "reference", "tensorrt_llm_bls": "bls"}
+
+
+@dataclass(frozen=True)
+class RepoInputs:
+    """What the repository is made from."""
+
+    recipe: Recipe
+    tokenizer_dir: Path
+    engine_dir: Path
+    """tensorrt: the built engine directory; reference: a directory holding the stand-in engine config.json"""
+    checkpoint_dir: Optional[Path] = None
+    """reference: the quantized checkpoint (HF model + modelopt_state.pth)"""
+    fingerprint: str = ""
+    versions: dict[str, str] = field(default_factory=dict)
+    draft: Optional["RepoInputs"] = None
+    quality: Optional[dict] = None
+
+
+def standin_engine_config(recipe: Recipe, max_seq_len: int, quantization: Optional[dict] = None,
+                          version: str = "reference") -> dict[str, Any]:
+    """An engine `config.json` with the build values the recipe asks for (the shape trtllm-build 1.2 writes).
+
+    The reference runtime runs with exactly these limits; tests use it as a stand-in for GPU recipes' engines.
+    """
+    b = recipe.build
+    return {
+        "version": version,
+        "runtime": "reference" if version == "reference" else "tensorrt",
+        "pretrained_config": {
+            "mapping": {"world_size": recipe.parallelism.tp * recipe.parallelism.pp, "tp_size": recipe.parallelism.tp,
+                        "pp_size": recipe.parallelism.pp},
+            "quantization": quantization or {},
+        },
+        "build_config": {
+            "max_batch_size": b.max_batch_size, "max_input_len": b.max_input_len,
+            "max_seq_len": max_seq_len + b.speculative.max_draft_len, "max_num_tokens": b.max_num_tokens,
+            "max_beam_width": b.max_beam_width, "kv_cache_type": b.kv_cache_type,
+            "max_draft_len": b.speculative.max_draft_len,
+            "speculative_decoding_mode": b.speculative.mode,
+            "plugin_config": {"tokens_per_block": b.tokens_per_block, "context_fmha": b.context_fmha,
+                              "use_paged_context_fmha": b.use_paged_context_fmha,
+                              "use_fp8_context_fmha": b.use_fp8_context_fmha,
+                              "remove_input_padding": b.remove_input_padding,
+                              "paged_kv_cache": b.kv_cache_type == "paged", "gemm_plugin": b.gemm_plugin,
+                              "multiple_profiles": b.multiple_profiles},
+        },
+    }
+
+
+# ------------------------------------------------------------------------------------------------ protobuf helpers
+
+
+def _tensor(spec: TensorSpec, is_input: bool):
+    t = mc.ModelInput() if is_input else mc.ModelOutput()
+    t.name = spec.name
+    t.data_type = mc.DataType.Value(FILLED_TYPES.get(spec.data_type, spec.data_type))
+    t.dims.extend(spec.dims)
+    if spec.reshape is not None:
+        t.reshape.shape.extend(spec.reshape)
+    if is_input:
+        t.optional = spec.optional
+        t.allow_ragged_batch = spec.allow_ragged_batch
+    return t
+
+
+def _params(config, values: dict[str, Any]) -> None:
+    for key, value in values.items():
+        if value is None:
+            continue  # unset: the key is left out (never a placeholder, never an empty string that means 'default')
+        if isinstance(value, bool):
+            value = "true" if value else "false"
+        config.parameters[key].string_value = str(value)
+
+
+def _select(specs: Iterable[TensorSpec], names: Optional[tuple[str, ...]]) -> list[TensorSpec]:
+    specs = list(specs)
+    if names is None:
+        return specs
+    by_name = {s.name: s for s in specs}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise ValueError(f"kiln's tensor list names {missing}, which upstream's contract does not have")
+    return [by_name[n] for n in names]
+
+
+def _base(name: str, max_batch_size: int, inputs: list[TensorSpec], outputs: list[TensorSpec], *,
+          backend: Optional[str] = None, platform: Optional[str] = None):
+    c = mc.ModelConfig()
+    c.name = name
+    if backend:
+        c.backend = backend
+    if platform:
+        c.platform = platform
+    c.max_batch_size = max_batch_size
+    c.input.extend(_tensor(s, True) for s in inputs)
+    c.output.extend(_tensor(s, False) for s in outputs)
+    return c
+
+
+def _cpu_instances(c, count: int) -> None:
+    g = c.instance_group.add()
+    g.count = count
+    g.kind = mc.ModelInstanceGroup.KIND_CPU
+
+
+def render(config) -> str:
+    """The config.pbtxt text (protobuf text format, parses back into ModelConfig)."""
+    return text_format.MessageToString(config)
+
+
+# ------------------------------------------------------------------------------------------------ model configs
+
+
+def preprocessing_config(r: Recipe, max_seq_len: int):
+    up = MODELS["preprocessing"]
+    c = _base("preprocessing", r.build.max_batch_size, _select(up.inputs, PRE_INPUTS), _select(up.outputs, PRE_OUTPUTS),
+              backend="python")
+    _cpu_instances(c, r.serving.preprocessing_instances)
+    _params(c, {"tokenizer_dir": "1/tokenizer", "add_special_tokens": r.serving.add_special_tokens,
+                "max_input_len": r.build.max_input_len, "max_seq_len": max_seq_len})
+    return c
+
+
+def postprocessing_config(r: Recipe):
+    up = MODELS["postprocessing"]
+    c = _base("postprocessing", r.build.max_batch_size, _select(up.inputs, POST_INPUTS),
+              _select(up.outputs, POST_OUTPUTS), backend="python")
+    _cpu_instances(c, r.serving.postprocessing_instances)
+    _params(c, {"tokenizer_dir": "1/tokenizer", "skip_special_tokens": r.serving.skip_special_tokens})
+    return c
+
+
+def trtllm_config(r: Recipe, name: str, max_seq_len: int, engine_cfg: dict):
+    """The tensorrt_llm model: the C++ tensorrtllm backend (tensorrt) or kiln's CPU runtime (reference)."""
+    up = MODELS["tensorrt_llm"]
+    s = r.serving
+    reference = r.target == "reference"
+    ins = _select(up.inputs, REFERENCE_TRTLLM_INPUTS if reference else None)
+    outs = _select(up.outputs, REFERENCE_TRTLLM_OUTPUTS if reference else None)
+    c = _base(name, r.build.max_batch_size, ins, outs, backend="python" if reference else "tensorrtllm")
+    c.model_transaction_policy.decoupled = s.streaming
+    c.dynamic_batching.max_queue_delay_microseconds = s.max_queue_delay_microseconds
+    _cpu_instances(c, 1)
+    common = {
+        "max_beam_width": r.build.max_beam_width,
+        "exclude_input_in_output": s.exclude_input_in_output,
+        "enable_kv_cache_reuse": s.enable_kv_cache_reuse,
+        "max_tokens_in_paged_kv_cache": s.max_tokens_in_paged_kv_cache,
+        "cancellation_check_period_ms": 100,
+    }
+    if reference:
+        b = engine_cfg["build_config"]
+        kv_tokens = s.max_tokens_in_paged_kv_cache or b["max_batch_size"] * b["max_seq_len"]
+        _params(c, {**common,
+                    "gpt_model_path": "1/engine",
+                    "model_dir": "1/checkpoint", "modelopt_state": "modelopt_state.pth",
+                    "tokenizer_dir": "1/checkpoint",
+                    "dtype": r.model.dtype if r.model.dtype != "auto" else None,
+                    "max_batch_size": b["max_batch_size"], "max_seq_len": b["max_seq_len"],
+                    "max_num_tokens": b["max_num_tokens"], "tokens_per_block": b["plugin_config"]["tokens_per_block"],
+                    "max_tokens_in_paged_kv_cache": kv_tokens,
+                    "num_threads": s.cpu_threads})
+    else:
+        _params(c, {**common,
+                    "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
+                    "gpt_model_type": "inflight_fused_batching" if s.batching == "inflight_fused" else "V1",
+                    "gpt_model_path": f"{CONTAINER_MODEL_ROOT}/{name}/1/engine",
+                    "batch_scheduler_policy": s.scheduler_policy,
+                    "kv_cache_free_gpu_mem_fraction": s.kv_cache_free_gpu_mem_fraction,
+                    "kv_cache_host_memory_bytes": s.kv_cache_host_memory_bytes,
+                    "enable_chunked_context": s.enable_chunked_context,
+                    "gpu_device_ids": ",".join(map(str, s.gpu_device_ids)) if s.gpu_device_ids else None,
+                    "normalize_log_probs": True,
+                    "stats_check_period_ms": 100,
+                    "kv_cache_onboard_blocks": True,
+                    "executor_worker_path": "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker",
+                    # read unguarded by the backend: they must exist; empty means guided decoding is off
+                    "tokenizer_dir": "", "xgrammar_tokenizer_info_path": "", "guided_decoding_backend": ""})
+        # upstream's parse leaves empty strings in place; _params skips None only
+        for key in ("tokenizer_dir", "xgrammar_tokenizer_info_path", "guided_decoding_backend"):
+            c.parameters[key].string_value = ""
+    return c
+
+
+def ensemble_config(r: Recipe, trt_inputs: set[str], trt_outputs: set[str]):
+    """pre → tensorrt_llm → post, keeping upstream's wiring for every tensor the models on each side have."""
+    up = MODELS["ensemble"]
+    have = {"preprocessing": (set(PRE_INPUTS), set(PRE_OUTPUTS)), "tensorrt_llm": (trt_inputs, trt_outputs),
+            "postprocessing": (set(POST_INPUTS), set(POST_OUTPUTS))}
+    ens_inputs = {t.name for t in up.inputs}
+    available = set(ens_inputs)
+    used_inputs: set[str] = set()
+    steps = []
+    for step in up.steps:
+        m_in, m_out = have[step.model_name]
+        imap = [(mt, et) for mt, et in step.input_map if mt in m_in and et in available]
+        omap = [(mt, et) for mt, et in step.output_map if mt in m_out]
+        used_inputs |= {et for _, et in imap if et in ens_inputs}
+        available |= {et for _, et in omap}
+        steps.append((step.model_name, imap, omap))
+    produced = {et for _, _, omap in steps for _, et in omap}
+    ins = [t for t in up.inputs if t.name in used_inputs]
+    outs = [t for t in up.outputs if t.name in produced]
+    c = _base("ensemble", r.build.max_batch_size, ins, outs, platform="ensemble")
+    for model_name, imap, omap in steps:
+        st = c.ensemble_scheduling.step.add()
+        st.model_name = model_name
+        st.model_version = -1
+        for mt, et in imap:
+            st.input_map[mt] = et
+        for mt, et in omap:
+            st.output_map[mt] = et
+    return c
+
+
+def bls_config(r: Recipe, draft_name: Optional[str]):
+    up = MODELS["tensorrt_llm_bls"]
+    c = _base("tensorrt_llm_bls", r.build.max_batch_size, _select(up.inputs, BLS_INPUTS),
+              _select(up.outputs, BLS_OUTPUTS), backend="python")
+    c.model_transaction_policy.decoupled = r.serving.streaming
+    _cpu_instances(c, r.serving.bls_instances)
+    _params(c, {"accumulate_tokens": False, "tensorrt_llm_model_name": "tensorrt_llm",
+                "tensorrt_llm_draft_model_name": draft_name,
+                "num_draft_tokens": r.build.speculative.max_draft_len or None})
+    return c
+
+
+# ------------------------------------------------------------------------------------------------ writing
+
+
+def _copy_tree(src: Path, dst: Path) -> None:
+    """Hard-link (large engines and checkpoints cost no disk), copy across devices."""
+    for path in sorted(src.rglob("*")):
+        target = dst / path.relative_to(src)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, target)
+        except OSError:
+            shutil.copy2(path, target)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "tokenizer.model", "config.json")
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+
+
+def _python_model(models_src: Path, kind: str, dst: Path) -> None:
+    (dst / "1").mkdir(parents=True, exist_ok=True)
+    shutil.copy2(models_src / kind / "model.py", dst / "1" / "model.py")
+
+
+def _write_config(dst: Path, config) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.pbtxt").write_text(render(config))
+
+
+def models_source() -> Path:
+    return Path(str(resources.files("kiln.triton") / "models"))
+
+
+def server_command(repo: str, r: Recipe, host: str = "0.0.0.0") -> list[str]:
+    s = r.serving
+    return ["tritonserver", f"--model-repository={repo}", f"--http-port={s.http_port}", f"--grpc-port={s.grpc_port}",
+            f"--metrics-port={s.metrics_port}", "--disable-auto-complete-config"]
+
+
+def write_repository(inp: RepoInputs, out: Path, max_seq_len: int) -> dict[str, Any]:
+    """Write the whole repository into `out` (an empty directory). Returns the kiln.json content."""
+    r = inp.recipe
+    src = models_source()
+    engine_cfg = json.loads((inp.engine_dir / "config.json").read_text())
+
+    pre = out / "preprocessing"
+    _write_config(pre, preprocessing_config(r, max_seq_len))
+    _python_model(src, "preprocessing", pre)
+    _copy_tokenizer(inp.tokenizer_dir, pre / "1" / "tokenizer")
+
+    post = out / "postprocessing"
+    _write_config(post, postprocessing_config(r))
+    _python_model(src, "postprocessing", post)
+    _copy_tokenizer(inp.tokenizer_dir, post / "1" / "tokenizer")
+
+    def write_llm(name: str, source: RepoInputs) -> Any:
+        cfg = json.loads((source.engine_dir / "config.json").read_text())
+        config = trtllm_config(source.recipe, name, max_seq_len, cfg)
+        d = out / name
+        _write_config(d, config)
+        _copy_tree(source.engine_dir, d / "1" / "engine")
+        if source.recipe.target == "reference":
+            _python_model(src, "reference", d)
+            assert source.checkpoint_dir is not None, "the reference target needs the quantized checkpoint"
+            _copy_tree(source.checkpoint_dir, d / "1" / "checkpoint")
+        return config
+
+    trt = write_llm("tensorrt_llm", inp)
+    draft_name = None
+    if inp.draft is not None:
+        draft_name = "tensorrt_llm_draft"
+        write_llm(draft_name, inp.draft)
+
+    ens = ensemble_config(r, {t.name for t in trt.input}, {t.name for t in trt.output})
+    _write_config(out / "ensemble", ens)
+    (out / "ensemble" / "1").mkdir(exist_ok=True)
+
+    bls = out / "tensorrt_llm_bls"
+    _write_config(bls, bls_config(r, draft_name))
+    _python_model(src, "bls", bls)
+
+    trtllm_version = inp.versions.get("tensorrt_llm")
+    container = container_for(trtllm_version) if r.target == "tensorrt" and trtllm_version else None
+    info = {
+        "kiln_repository_version": 1,
+        "recipe": r.name,
+        "fingerprint": inp.fingerprint,
+        "target": r.target,
+        "runtime": ("reference: PyTorch on CPU in a Triton Python model (a test and development vehicle, "
+                    "not the fast path)") if r.target == "reference" else "tensorrt: TensorRT-LLM engine",
+        "engine": {"tensorrt_llm": trtllm_version, "tensorrt": inp.versions.get("tensorrt"),
+                   "max_batch_size": engine_cfg["build_config"].get("max_batch_size"),
+                   "max_input_len": engine_cfg["build_config"].get("max_input_len"),
+                   "max_seq_len": engine_cfg["build_config"].get("max_seq_len")},
+        "container": container,
+        "streaming": r.serving.streaming,
+        "world_size": r.parallelism.tp * r.parallelism.pp,
+        "models": sorted(p.name for p in out.iterdir() if p.is_dir()),
+        "server_command": server_command(CONTAINER_MODEL_ROOT if container else str(out.name), r),
+        "quality": inp.quality,
+    }
+    (out / "kiln.json").write_text(json.dumps(info, indent=2))
+    return info
