@@ -1,0 +1,193 @@
+"""Serving commands: serve, stop, infer, bench (registered on the main group)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from kiln.cli.commands import layout_options
+from kiln.cli.main import cli, err, handle_errors, load, out, set_option
+from kiln.recipe.schema import ServingSection
+from kiln.util.errors import InputError
+
+DEFAULTS = ServingSection()  # the schema is the only home of defaults
+
+
+def _is_repo(path: Path) -> bool:
+    return path.is_dir() and ((path / "kiln.json").is_file() or any(path.glob("*/config.pbtxt")))
+
+
+def _prepare(target: str, overrides, build_dir: Path, repo_dir: Path):
+    """A repository path and the serving section that applies: a REPO as is, or a RECIPE built first."""
+    p = Path(target)
+    if _is_repo(p):
+        if overrides:
+            raise InputError("--set applies to recipes; a repository is served as it was packaged")
+        return p, DEFAULTS, None
+    from kiln.pipeline.runner import Layout, render_summary, run
+
+    loaded = load(target, overrides)
+    summary = run(loaded, Layout(build_dir, repo_dir), console=err)
+    if summary.failure is not None:
+        render_summary(summary, err)
+        raise summary.failure
+    if loaded.recipe.target == "reference":
+        err.print("note: target 'reference' serves the quantized model with PyTorch on CPU — a test and "
+                  "development vehicle, not the fast path.", style="dim")
+    return repo_dir / loaded.recipe.name, loaded.recipe.serving, loaded
+
+
+@cli.command()
+@click.argument("target")
+@set_option
+@click.option("--host", help=f"Address to bind (default: the recipe's serving.host, {DEFAULTS.host}).")
+@click.option("--http-port", type=int, help="HTTP port (default: serving.http_port).")
+@click.option("--grpc-port", type=int, help="gRPC port (default: serving.grpc_port).")
+@click.option("--metrics-port", type=int, help="Metrics port (default: serving.metrics_port).")
+@click.option("--docker", is_flag=True, help="Run the NGC serving container named in the repository's kiln.json.")
+@click.option("--background", is_flag=True, help="Detach once ready; stop it with `kiln stop`.")
+@click.option("--timeout", type=float, default=300, show_default=True, help="Seconds to wait for readiness.")
+@click.option("--state-file", type=click.Path(path_type=Path), hidden=True)
+@layout_options
+@handle_errors
+def serve(target, overrides, host, http_port, grpc_port, metrics_port, docker, background, timeout, state_file,
+          build_dir, repo_dir):
+    """Serve TARGET (a recipe, built first if needed, or a packaged repository) with a real tritonserver."""
+    from kiln.serve.server import ServerConfig
+    from kiln.serve.session import (docker_command, run_docker, serve_foreground, start_background,
+                                    state_file_for)
+
+    repo, serving, loaded = _prepare(target, overrides, build_dir, repo_dir)
+    cfg = ServerConfig(repo=repo, host=host or serving.host, http_port=http_port or serving.http_port,
+                       grpc_port=grpc_port or serving.grpc_port, metrics_port=metrics_port or serving.metrics_port)
+    if docker:
+        info = json.loads((repo / "kiln.json").read_text()) if (repo / "kiln.json").is_file() else {}
+        cmd = docker_command(repo, info.get("container"), cfg, int(info.get("world_size", 1)))
+        err.print("$ " + " ".join(cmd), markup=False)
+        sys.exit(run_docker(cmd))
+    if background:
+        sf = state_file_for(repo)
+        argv = [sys.executable, "-m", "kiln.cli.main", "serve", str(repo), "--host", cfg.host,
+                "--http-port", str(cfg.http_port), "--grpc-port", str(cfg.grpc_port),
+                "--metrics-port", str(cfg.metrics_port), "--timeout", str(timeout), "--state-file", str(sf)]
+        state = start_background(argv, sf, sf.with_suffix(".log"), timeout)
+        _announce(state, background=True)
+        return
+
+    def announce(state: dict) -> None:
+        _announce(state, background=False)
+
+    sys.exit(serve_foreground(cfg, announce, state_file, timeout))
+
+
+def _announce(state: dict, background: bool) -> None:
+    urls = state["urls"]
+    out.print(f"ready: {state['repo']}  (started in {state.get('startup_s') or 0:.1f}s)", markup=False)
+    out.print(f"  http    {urls['http']}   (POST {urls['http']}/v2/models/ensemble/generate)", markup=False)
+    out.print(f"  grpc    {urls['grpc']}", markup=False)
+    out.print(f"  metrics {urls['metrics']}", markup=False)
+    out.print("stop with: kiln stop" if background else "Ctrl-C to stop", markup=False)
+    sys.stdout.flush()
+
+
+@cli.command()
+@click.argument("repo", required=False, type=click.Path(path_type=Path))
+@handle_errors
+def stop(repo: Optional[Path]) -> None:
+    """Stop background servers started with `kiln serve --background` (all, or the one for REPO)."""
+    from kiln.serve.session import running, state_file_for, stop_background
+
+    files = [state_file_for(repo)] if repo else [f for f, _ in running()]
+    stopped = [f for f in files if stop_background(f)]
+    out.print(f"stopped {len(stopped)} server(s)" if stopped else "no kiln server was running", markup=False)
+
+
+def _sampling(temperature, top_k, top_p, seed) -> dict:
+    values = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+    return {k: v for k, v in values.items() if v is not None}
+
+
+@cli.command()
+@click.argument("prompt")
+@click.option("--url", default=f"127.0.0.1:{DEFAULTS.grpc_port}", show_default=True, help="gRPC host:port.")
+@click.option("--http-url", default=f"http://127.0.0.1:{DEFAULTS.http_port}", show_default=True,
+              help="HTTP URL (used with --no-stream).")
+@click.option("--model", default="ensemble", show_default=True, type=click.Choice(["ensemble", "tensorrt_llm_bls"]))
+@click.option("--max-tokens", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--temperature", type=float, help="Sampling temperature (0 or unset: greedy).")
+@click.option("--top-k", type=int)
+@click.option("--top-p", type=float)
+@click.option("--seed", type=int)
+@click.option("--no-stream", is_flag=True, help="One response through the HTTP generate endpoint.")
+@handle_errors
+def infer(prompt, url, http_url, model, max_tokens, temperature, top_k, top_p, seed, no_stream):
+    """Send PROMPT through the ensemble (or BLS) and print the completion as it streams."""
+    from kiln.serve.client import generate_http, generate_stream
+
+    sampling = _sampling(temperature, top_k, top_p, seed)
+    if no_stream:
+        click.echo(generate_http(http_url, prompt, max_tokens, model=model, **sampling))
+        return
+    for piece in generate_stream(url, prompt, max_tokens, model=model, **sampling):
+        click.echo(piece, nl=False)
+        sys.stdout.flush()
+    click.echo()
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter("comma-separated integers, e.g. 1,4,16") from None
+    if not values or min(values) < 1:
+        raise click.BadParameter("at least one level, each ≥ 1")
+    return values
+
+
+@cli.command()
+@click.option("--url", default=f"127.0.0.1:{DEFAULTS.grpc_port}", show_default=True, help="gRPC host:port.")
+@click.option("--model", default="ensemble", show_default=True, type=click.Choice(["ensemble", "tensorrt_llm_bls"]))
+@click.option("--concurrency", default="1,4,16", show_default=True, help="Fixed concurrency levels.")
+@click.option("--rate", type=float, help="Open-loop request rate (req/s) instead of fixed concurrency.")
+@click.option("--poisson", is_flag=True, help="With --rate: Poisson arrivals.")
+@click.option("--duration", type=float, default=20.0, show_default=True, help="Seconds per level.")
+@click.option("--input-len", type=int, default=64, show_default=True, help="Synthetic prompt length (words).")
+@click.option("--output-len", type=int, default=32, show_default=True, help="max_tokens per request.")
+@click.option("--prompts", type=click.Path(path_type=Path, exists=True), help="Prompts file (one per line / jsonl).")
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("build/bench"), show_default=True,
+              help="Where bench.json / bench.csv / bench.png go.")
+@click.option("--recipe", help="Compare figures against the planner's ideal for this recipe …")
+@click.option("--gpu", help="… on this GPU (default: the recipe's hardware.gpu).")
+@handle_errors
+def bench(url, model, concurrency, rate, poisson, duration, input_len, output_len, prompts, out_dir, recipe, gpu):
+    """Load a running server (gRPC streaming) and report TTFT, ITL, latency percentiles and throughput."""
+    from kiln.serve.bench import BenchConfig, compare_with_plan, format_comparison, format_report, load_prompts, run_bench
+
+    prompt_set = load_prompts(prompts) if prompts else None
+    cfg = BenchConfig(url=url, model=model, concurrency=_levels(concurrency), rate=rate, poisson=poisson,
+                      duration_s=duration, input_len=input_len, output_len=output_len,
+                      prompts=tuple(prompt_set.prompts) if prompt_set else None,
+                      expected=prompt_set.expected if prompt_set else None)
+    report = run_bench(cfg)
+    paths = report.write(out_dir)
+    out.print(format_report(report), markup=False)
+    if recipe:
+        from kiln.plan import make_plan
+        from kiln.recipe.gpus import lookup_gpu
+        from kiln.steps.resolve import model_config, plan_inputs
+
+        loaded = load(recipe, ())
+        spec = lookup_gpu(gpu or loaded.recipe.hardware.gpu or "")
+        cfg_model = model_config(loaded)
+        if spec is None or cfg_model is None:
+            raise InputError("--recipe needs a known GPU (--gpu) and a model config kiln can read")
+        out.print(format_comparison(compare_with_plan(report, make_plan(plan_inputs(loaded.recipe, cfg_model), spec))),
+                  markup=False)
+    out.print("wrote " + ", ".join(str(p) for p in paths.values()), markup=False)
+    if report.total_errors:
+        err.print(f"error: {report.total_errors} request(s) failed or mismatched", style="red")
+        sys.exit(1)

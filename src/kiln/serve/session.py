@@ -1,0 +1,165 @@
+"""`kiln serve` sessions: run a server in the foreground until a signal, or detached in the background with a
+state file that `kiln stop` uses; and the `--docker` command for the NGC serving container."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from kiln.serve.server import ServerConfig, ServerError, TritonServer, tail
+from kiln.util.errors import InputError
+
+STATE_DIR = Path("build") / ".serve"
+
+
+def state_file_for(repo: Path, state_dir: Path = STATE_DIR) -> Path:
+    return state_dir / f"{Path(repo).resolve().name}.json"
+
+
+def _write_state(path: Path, state: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".part")
+    tmp.write_text(json.dumps(state, indent=2))
+    os.replace(tmp, path)
+
+
+def serve_foreground(cfg: ServerConfig, announce: Callable[[dict], None], state_file: Optional[Path] = None,
+                     timeout_s: float = 300) -> int:
+    """Start the server, announce its endpoints, serve until SIGINT/SIGTERM or until it dies.
+
+    Returns 0 after a clean stop; raises ServerError (with the log's tail) when it fails to start or dies.
+    """
+    stop = {"requested": False}
+
+    def on_signal(signum, _frame):  # noqa: ANN001
+        stop["requested"] = True
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    server = TritonServer(cfg)
+    try:
+        server.start(timeout_s=timeout_s)
+        state = {"pid": os.getpid(), "repo": str(Path(cfg.repo).resolve()), "urls": server.urls(),
+                 "log": str(server.log_file), "startup_s": server.startup_s, "ready": True}
+        if state_file is not None:
+            _write_state(state_file, state)
+        announce(state)
+        while not stop["requested"]:
+            if not server.is_running():
+                raise ServerError(f"tritonserver stopped unexpectedly.\n--- last lines of {server.log_file} ---\n"
+                                  f"{server.log_tail()}")
+            time.sleep(0.3)
+        return 0
+    finally:
+        server.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if state_file is not None:
+            state_file.unlink(missing_ok=True)
+
+
+def start_background(argv: list[str], state_file: Path, log_file: Path, timeout_s: float = 300) -> dict:
+    """Run `argv` (a foreground `kiln serve … --state-file`) detached; return its state once ready."""
+    if state_file.exists():
+        old = json.loads(state_file.read_text())
+        if _alive(old.get("pid")):
+            raise InputError(f"a kiln server for this repository is already running (pid {old['pid']}, "
+                             f"{old.get('urls', {}).get('http')}); stop it with `kiln stop`")
+        state_file.unlink()
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if state_file.exists():
+            return json.loads(state_file.read_text())
+        if proc.poll() is not None:
+            raise ServerError(f"the background server exited with code {proc.returncode} before it was ready.\n"
+                              f"--- last lines of {log_file} ---\n{tail(log_file)}")
+        time.sleep(0.3)
+    proc.terminate()
+    raise ServerError(f"the background server was not ready within {timeout_s:.0f}s; log: {log_file}")
+
+
+def _alive(pid: Optional[int]) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def running(state_dir: Path = STATE_DIR) -> list[tuple[Path, dict]]:
+    out = []
+    for f in sorted(state_dir.glob("*.json")) if state_dir.is_dir() else []:
+        try:
+            out.append((f, json.loads(f.read_text())))
+        except ValueError:
+            continue
+    return out
+
+
+def stop_background(state_file: Path, timeout_s: float = 30) -> bool:
+    """SIGTERM the background `kiln serve` (it stops its server and cleans up); SIGKILL its group if it hangs.
+    Returns False when nothing was running."""
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError):
+        return False
+    pid = state.get("pid")
+    if not _alive(pid):
+        state_file.unlink(missing_ok=True)
+        return False
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.2)
+    if _alive(pid):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    state_file.unlink(missing_ok=True)
+    return True
+
+
+def docker_command(repo: Path, image: Optional[str], cfg: ServerConfig, world_size: int = 1) -> list[str]:
+    """`docker run` of the NGC serving container on the repository (mounted read-only at /models)."""
+    if not image:
+        raise InputError(f"{repo}/kiln.json names no serving container: `--docker` serves tensorrt-target "
+                         "repositories; serve the reference target without --docker")
+    if shutil.which("docker") is None:
+        raise InputError("docker is not installed here; serve without --docker, or run deploy/<recipe>/launch.sh "
+                         "on a GPU host")
+    ports = [f"-p{cfg.host}:{p}:{p}" for p in (cfg.http_port, cfg.grpc_port, cfg.metrics_port)]
+    cmd = ["docker", "run", "--rm", "--gpus", "all", "--shm-size=4g", "--ulimit", "memlock=-1",
+           "--ulimit", "stack=67108864", *ports, "-v", f"{Path(repo).resolve()}:/models:ro", image]
+    server = ["tritonserver", "--model-repository=/models", f"--http-port={cfg.http_port}",
+              f"--grpc-port={cfg.grpc_port}", f"--metrics-port={cfg.metrics_port}", "--disable-auto-complete-config"]
+    if world_size > 1:
+        ranks = []
+        for rank in range(world_size):
+            extra = [f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
+            if rank:
+                extra += ["--model-control-mode=explicit", "--load-model=tensorrt_llm", "--allow-http=false",
+                          "--allow-grpc=false", "--allow-metrics=false"]
+            ranks += (["-n", "1"] + server + extra + ([":"] if rank < world_size - 1 else []))
+        return cmd + ["mpirun", "--allow-run-as-root", *ranks]
+    return cmd + server
+
+
+def run_docker(cmd: list[str]) -> int:
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:
+        return 0
