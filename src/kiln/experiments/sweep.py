@@ -211,7 +211,7 @@ def run_point(point: Point, loaded: LoadedRecipe, layout: Layout, spec: SweepFil
         evaluate = next((o for o in summary.outcomes if o.name == "evaluate"), None)
         if evaluate is not None and evaluate.result:
             record["quality"] = {k: evaluate.result.get(k) for k in
-                                 ("ppl_base", "ppl_quant", "ppl_increase_pct", "kl_mean") if k in evaluate.result}
+                                 ("base_perplexity", "quant_perplexity", "ppl_increase_pct", "mean_kl") if k in evaluate.result}
         if summary.failure is not None:
             record.update(status="failed", error=str(summary.failure))
     except KilnError as exc:
@@ -287,7 +287,7 @@ def _read_results(path: Path) -> dict[str, dict]:
     return out
 
 
-COLUMNS = ("point", "label", "status", "ppl_base", "ppl_quant", "ppl_increase_pct", "kl_mean", "weight_gib",
+COLUMNS = ("point", "label", "status", "base_perplexity", "quant_perplexity", "ppl_increase_pct", "mean_kl", "weight_gib",
            "fits", "max_sequences", "steps_run")
 
 
@@ -299,8 +299,8 @@ def table_rows(records: list[dict]) -> list[dict[str, Any]]:
         wb = p.get("weight_bytes") if isinstance(p, dict) else None
         steps = r.get("steps") or {}
         rows.append({"point": r["point"], "label": r["label"], "status": r["status"],
-                     "ppl_base": q.get("ppl_base"), "ppl_quant": q.get("ppl_quant"),
-                     "ppl_increase_pct": q.get("ppl_increase_pct"), "kl_mean": q.get("kl_mean"),
+                     "base_perplexity": q.get("base_perplexity"), "quant_perplexity": q.get("quant_perplexity"),
+                     "ppl_increase_pct": q.get("ppl_increase_pct"), "mean_kl": q.get("mean_kl"),
                      "weight_gib": None if wb is None else wb / 2**30,
                      "fits": p.get("fits") if isinstance(p, dict) else None,
                      "max_sequences": p.get("max_sequences") if isinstance(p, dict) else None,
