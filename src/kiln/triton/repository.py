@@ -45,7 +45,7 @@ REFERENCE_TRTLLM_INPUTS = (
     "input_ids", "input_lengths", "request_output_len", "num_return_sequences", "draft_input_ids", "end_id",
     "pad_id", "stop_words_list", "bad_words_list", "beam_width", "temperature", "runtime_top_k", "runtime_top_p",
     "len_penalty", "repetition_penalty", "min_tokens", "presence_penalty", "frequency_penalty", "seed",
-    "return_log_probs", "exclude_input_in_output", "streaming",
+    "return_log_probs", "exclude_input_in_output", "streaming", "stop",
 )
 REFERENCE_TRTLLM_OUTPUTS = ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs")
 BLS_INPUTS = ("text_input", "max_tokens", "bad_words", "stop_words", "exclude_input_in_output", "end_id", "pad_id",
