@@ -131,7 +131,8 @@ class QuantizationSection(Section):
     outlier scale into the weights."""
 
     awq_block_size: Literal[64, 128] = 128
-    """Group size of INT4 weight scales (int4_awq, w4a8_awq, int4_wo)."""
+    """Group size of INT4 weight scales (int4_awq, w4a8_awq). int4_wo uses per-channel scales, as
+    TensorRT-LLM's W4A16 does."""
 
     exclude_modules: tuple[str, ...] = ("lm_head",)
     """Module name patterns (fnmatch, e.g. `lm_head`, `*.mlp.down_proj`) kept at full precision."""

@@ -1,0 +1,222 @@
+"""The evaluate step: how much quality quantization cost, and the gate that stops a bad build.
+
+It loads the unquantized model (``checkpoint/`` of the quantize step) and the quantized one (the same
+checkpoint with ``modelopt_state.pth`` restored onto it: exactly what the reference runtime serves and
+what the TensorRT-LLM checkpoint encodes), runs both over the evaluation text and measures
+
+- perplexity of each (token-weighted over all sequences) and its relative increase;
+- the mean per-token KL divergence KL(base ‖ quantized), in nats: how far the quantized model's
+  next-token distribution drifts from the original, including on tokens both get wrong.
+
+The figures go to ``quality.json`` and a table. The gate thresholds (``evaluation.max_ppl_increase_pct``,
+``evaluation.max_kl``) are deliberately outside the step's fingerprint: changing a threshold re-checks
+the stored figures with :func:`check_gate` instead of re-running the measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from kiln.models.data import batches, content_hash, load_texts, tokenize_samples
+from kiln.models.loading import load_model, load_tokenizer, read_config, resolve_dtype
+from kiln.recipe.loader import LoadedRecipe
+from kiln.recipe.schema import Recipe
+from kiln.steps.base import StepContext, StepSpec, step_result
+from kiln.steps.quantize import CHECKPOINT_DIR, MODELOPT_STATE, QUANT_RECORD, RESTORE_CHECK, quiet_stdout
+from kiln.util.errors import KilnError
+
+QUALITY_FILE = "quality.json"
+#: Upper bound on logits elements held per batch (batch × tokens × vocabulary), to bound memory.
+_LOGITS_BUDGET = 1 << 26
+#: Gentler formats to suggest when the gate fails, by format.
+_GENTLER = {
+    "int4_wo": "int4_awq", "int4_awq": "int8_sq or fp8", "w4a8_awq": "int4_awq or fp8",
+    "nvfp4": "fp8", "int8_wo": "fp8", "int8_sq": "fp8", "fp8": "none",
+}  # fmt: skip
+
+
+def evaluate_input_hashes(loaded: LoadedRecipe) -> dict[str, str]:
+    ev = loaded.recipe.evaluation
+    return {"evaluation": content_hash(ev, "evaluation")} if ev.enabled else {}
+
+
+def check_gate(recipe: Recipe, result: dict) -> Optional[str]:
+    """A message when the stored evaluation figures fail the recipe's quality gate, else None."""
+    if not result or result.get("skipped"):
+        return None
+    ev = recipe.evaluation
+    fmt = result.get("format") or recipe.quantization.format
+    gentler = _GENTLER.get(fmt)
+    advice = f"pick a gentler format (e.g. {gentler})" if gentler else "pick a gentler format"
+    failures = []
+    pct = result.get("ppl_increase_pct")
+    if ev.max_ppl_increase_pct is not None and pct is not None and pct > ev.max_ppl_increase_pct:
+        failures.append(
+            f"perplexity rose {_pct(pct)}% ({result['base_perplexity']:.2f} → {result['quant_perplexity']:.2f}), "
+            f"gate is {ev.max_ppl_increase_pct:g}%: raise evaluation.max_ppl_increase_pct or {advice}")
+    kl = result.get("mean_kl")
+    if ev.max_kl is not None and kl is not None and kl > ev.max_kl:
+        failures.append(f"mean KL divergence is {kl:.4g} nats per token, gate is {ev.max_kl:g}: "
+                        f"raise evaluation.max_kl or {advice}")
+    return "; ".join(failures) or None
+
+
+def _pct(value: float) -> str:
+    """23.39 → "23.4", 0.1595 → "0.16": enough digits to compare with a small gate."""
+    return f"{value:.1f}" if abs(value) >= 1 else f"{value:.2g}"
+
+
+def _write_quality(out_dir: Path, data: dict) -> None:
+    (out_dir / QUALITY_FILE).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def _restored(ckpt: Path, dtype: str, trust_remote_code: bool) -> Any:
+    import modelopt.torch.opt as mto
+
+    model = load_model(ckpt, dtype, trust_remote_code)
+    try:
+        with quiet_stdout():
+            return mto.restore(model, str(ckpt / MODELOPT_STATE)).eval()
+    except Exception as exc:  # noqa: BLE001 - a damaged state file: say which
+        raise KilnError(f"cannot restore the quantized model from {ckpt / MODELOPT_STATE}: "
+                        f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; "
+                        "re-run the quantize step (kiln build RECIPE --from quantize)") from exc
+
+
+def _check_restore(model: Any, check_file: Path) -> None:
+    """The restored model must reproduce the calibrated model's probe logits."""
+    import torch
+    from safetensors.torch import load_file
+
+    if not check_file.is_file():
+        return
+    probe = load_file(str(check_file))
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(input_ids=probe["input_ids"].to(device), use_cache=False).logits.float().cpu()
+    want = probe["logits"]
+    scale = max(1.0, float(want.abs().max()))
+    diff = float((logits - want).abs().max())
+    if diff > 1e-3 * scale:
+        raise KilnError(f"the restored quantized model does not reproduce the calibrated one (max logit difference "
+                        f"{diff:.3g}); the quantize output in {check_file.parent} is damaged or was made by "
+                        "another ModelOpt/torch version: re-run the quantize step")
+
+
+def _nll_and_kl(base_logits: Any, quant_logits: Any, ids: Any, mask: Any) -> tuple[float, float, float, int]:
+    """Sums over the batch's predicted tokens: (NLL base, NLL quant, KL(base‖quant), token count)."""
+    import torch
+
+    target = ids[:, 1:]
+    valid = (mask[:, 1:] * mask[:, :-1]).bool()
+    logp_b = torch.log_softmax(base_logits[:, :-1].float(), dim=-1)
+    logp_q = torch.log_softmax(quant_logits[:, :-1].float(), dim=-1)
+    nll_b = -logp_b.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    nll_q = -logp_q.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    kl = (logp_b.exp() * (logp_b - logp_q)).sum(-1)
+    return (float(nll_b[valid].sum()), float(nll_q[valid].sum()), float(kl[valid].sum()), int(valid.sum()))
+
+
+def evaluate(ctx: StepContext) -> dict:
+    """Measure perplexity and KL of the quantized model against the unquantized one; write quality.json."""
+    started = time.perf_counter()
+    recipe = ctx.recipe
+    ev = recipe.evaluation
+    out = Path(ctx.out_dir)
+    if not ev.enabled:
+        _write_quality(out, {"skipped": True, "reason": "evaluation.enabled is false"})
+        ctx.log("  evaluation skipped (evaluation.enabled: false): no quality gate")
+        return step_result(skipped=True)
+
+    quant_dir = ctx.inputs.get("quantize")
+    if quant_dir is None:
+        raise KilnError("the evaluate step needs the quantize step's output; run the quantize step first")
+    ckpt = Path(quant_dir) / CHECKPOINT_DIR
+    for needed in ("config.json", MODELOPT_STATE):
+        if not (ckpt / needed).is_file():
+            raise KilnError(f"{ckpt / needed} is missing: the quantize output is incomplete; re-run the quantize step")
+    record = {}
+    if (ckpt / QUANT_RECORD).is_file():
+        record = json.loads((ckpt / QUANT_RECORD).read_text(encoding="utf-8"))
+    fmt = record.get("format", recipe.quantization.format)
+    kv = record.get("kv_cache", recipe.quantization.kv_cache)
+
+    # cheap first: data problems are input errors, reported before any model loads
+    trust = recipe.model.trust_remote_code
+    tokenizer = load_tokenizer(ckpt, trust)
+    texts = load_texts(ev, "evaluation")
+    seqs = tokenize_samples(texts, tokenizer, ev.samples, ev.max_seq_len, seed=None, key="evaluation", min_tokens=2)
+
+    import torch
+
+    dtype = resolve_dtype("auto", read_config(ckpt))
+    with ctx.status("loading the unquantized and quantized models"):
+        base = load_model(ckpt, dtype, trust)
+        quant = _restored(ckpt, dtype, trust)
+        _check_restore(quant, Path(quant_dir) / RESTORE_CHECK)
+
+    vocab = int(base.config.vocab_size)
+    batch_size = max(1, min(16, _LOGITS_BUDGET // max(1, ev.max_seq_len * vocab)))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    device = next(base.parameters()).device
+    nll_b = nll_q = kl_sum = 0.0
+    tokens = 0
+    batch_list = batches(seqs, batch_size, pad_id)
+    with torch.no_grad():
+        for batch in ctx.track(batch_list, "evaluating", total=len(batch_list)):
+            ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+            lb = base(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            lq = quant(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            b, q, k, n = _nll_and_kl(lb, lq, ids, mask)
+            nll_b, nll_q, kl_sum, tokens = nll_b + b, nll_q + q, kl_sum + k, tokens + n
+    del base, quant
+    if tokens == 0:
+        raise KilnError("the evaluation text gave no tokens to predict")
+    ppl_b, ppl_q = math.exp(nll_b / tokens), math.exp(nll_q / tokens)
+    figures = {
+        "format": fmt, "kv_cache": kv, "dataset": ev.dataset, "samples": len(seqs), "tokens": tokens,
+        "base_perplexity": round(ppl_b, 6), "quant_perplexity": round(ppl_q, 6),
+        "ppl_increase_pct": round((ppl_q / ppl_b - 1.0) * 100.0, 4),
+        "mean_kl": round(kl_sum / tokens, 8),
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    _write_quality(out, {"skipped": False, **figures,
+                         "gate": {"max_ppl_increase_pct": ev.max_ppl_increase_pct, "max_kl": ev.max_kl}})
+    _print_table(ctx, figures, recipe)
+    return step_result(**figures)
+
+
+def _print_table(ctx: StepContext, f: dict, recipe: Recipe) -> None:
+    from rich.table import Table
+
+    ev = recipe.evaluation
+    table = Table(title=f"quality: {f['format']}" + (f" + {f['kv_cache']} KV" if f["kv_cache"] != "none" else "")
+                  + f" on {f['samples']} sequences, {f['tokens']} tokens", title_justify="left")
+    table.add_column("measure")
+    table.add_column("unquantized", justify="right")
+    table.add_column("quantized", justify="right")
+    table.add_column("change", justify="right")
+    table.add_column("gate", justify="right")
+    pct_gate = f"≤ {ev.max_ppl_increase_pct:g}%" if ev.max_ppl_increase_pct is not None else "-"
+    kl_gate = f"≤ {ev.max_kl:g}" if ev.max_kl is not None else "-"
+    table.add_row("perplexity", f"{f['base_perplexity']:.3f}", f"{f['quant_perplexity']:.3f}",
+                  f"{f['ppl_increase_pct']:+.2f}%", pct_gate)
+    table.add_row("mean KL (nats/token)", "0", f"{f['mean_kl']:.5f}", "", kl_gate)
+    ctx.console.print(table)
+
+
+SPEC = StepSpec(
+    name="evaluate",
+    fn=evaluate,
+    keys=("evaluation",),
+    ignore=("evaluation.max_ppl_increase_pct", "evaluation.max_kl"),
+    after=("quantize",),
+    tools=("nvidia-modelopt", "torch", "transformers"),
+    input_hashes=evaluate_input_hashes,
+    files_checked=(QUALITY_FILE,),
+    check=check_gate,
+)

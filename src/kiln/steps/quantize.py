@@ -1,0 +1,548 @@
+"""The quantize step: ModelOpt calibration of the recipe's model, then export.
+
+Upstream's path (TensorRT-LLM ``examples/quantization/quantize.py``), with kiln's checks around it:
+
+1. resolve and check the model directory and the calibration data (InputError before anything heavy);
+2. load the model directly in the recipe dtype and save it, unquantized, as ``checkpoint/`` (a Hugging
+   Face directory with the tokenizer): the baseline for the evaluate step and the base that the reference
+   runtime restores the quantizers onto;
+3. map the recipe to a ModelOpt config (:func:`build_quant_config`) and calibrate with
+   ``mtq.quantize(model, cfg, forward_loop)``;
+4. ``checkpoint/modelopt_state.pth`` via ``mto.save``; ``mto.restore(from_pretrained(checkpoint), path)``
+   gives the calibrated fake-quant model back (``restore_check.safetensors`` holds a probe's logits so
+   that consumers can verify this);
+5. ``target: tensorrt``: ``trtllm_checkpoint/`` via ``export_tensorrt_llm_checkpoint`` (config.json +
+   ``rank{N}.safetensors`` per tp×pp rank + ``tokenizer/``), and its ``quant_algo`` /
+   ``kv_cache_quant_algo`` checked against what TensorRT-LLM 1.2 expects for the format.
+
+Weight-only formats (``int8_wo``, ``int4_wo``) follow upstream's TensorRT-LLM path: the TensorRT-LLM
+checkpoint holds the unquantized weights with ``quant_algo`` W8A16 / W4A16 and ``trtllm-build``
+quantizes them per output channel; the fake-quant model kiln evaluates and serves on the reference
+target uses the same per-channel symmetric scheme (INT8_WEIGHT_ONLY_CFG; INT4_BLOCKWISE_WEIGHT_ONLY_CFG
+with per-channel instead of block scales), so the quality gate measures what the engine runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import fnmatch
+import io
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+
+from kiln.models.data import batches, content_hash, load_texts, tokenize_samples
+from kiln.models.loading import (
+    ModelInfo,
+    check_model_dir,
+    hf_progress_off,
+    load_model,
+    load_tokenizer,
+    model_source_hash,
+    resolve_dtype,
+    resolve_model_dir,
+)
+from kiln.recipe.loader import LoadedRecipe
+from kiln.recipe.schema import Recipe
+from kiln.steps.base import StepContext, StepSpec, step_result
+from kiln.util.errors import InputError, KilnError
+
+if TYPE_CHECKING:
+    import torch
+
+CHECKPOINT_DIR = "checkpoint"
+TRTLLM_DIR = "trtllm_checkpoint"
+MODELOPT_STATE = "modelopt_state.pth"
+RESTORE_CHECK = "restore_check.safetensors"
+QUANT_RECORD = "kiln_quantization.json"
+
+#: Recipe weight format → ModelOpt config name (``modelopt.torch.quantization``).
+MODELOPT_CONFIGS: dict[str, str] = {
+    "fp8": "FP8_DEFAULT_CFG",
+    "int8_sq": "INT8_SMOOTHQUANT_CFG",
+    "int4_awq": "INT4_AWQ_CFG",
+    "w4a8_awq": "W4A8_AWQ_BETA_CFG",
+    "int8_wo": "INT8_WEIGHT_ONLY_CFG",
+    "int4_wo": "INT4_BLOCKWISE_WEIGHT_ONLY_CFG",
+    "nvfp4": "NVFP4_DEFAULT_CFG",
+}
+#: Recipe weight format → TensorRT-LLM 1.2 checkpoint ``quantization.quant_algo`` (GUIDE §2).
+EXPECTED_QUANT_ALGO: dict[str, Optional[str]] = {
+    "none": None,
+    "fp8": "FP8",
+    "int8_sq": "W8A8_SQ_PER_CHANNEL",
+    "int4_awq": "W4A16_AWQ",
+    "w4a8_awq": "W4A8_AWQ",
+    "int8_wo": "W8A16",
+    "int4_wo": "W4A16",
+    "nvfp4": "NVFP4",
+}
+#: Recipe KV-cache format → ``quantization.kv_cache_quant_algo``.
+EXPECTED_KV_ALGO: dict[str, Optional[str]] = {"none": None, "fp8": "FP8", "int8": "INT8"}
+#: Formats with a per-block weight scale whose block size comes from ``quantization.awq_block_size``.
+BLOCK_FORMATS = frozenset({"int4_awq", "w4a8_awq"})
+#: Formats that TensorRT-LLM quantizes itself from unquantized weights (upstream's weight-only path).
+WEIGHT_ONLY_FORMATS = frozenset({"int8_wo", "int4_wo"})
+#: Formats whose fake-quant forward (hence calibration) needs a CUDA device in ModelOpt.
+CUDA_ONLY_FORMATS = frozenset({"nvfp4"})
+#: AWQ calibration uses at most this many samples, as upstream does.
+AWQ_MAX_SAMPLES = 32
+#: Tokens of the probe whose logits ``restore_check.safetensors`` records.
+PROBE_TOKENS = 32
+
+
+# --------------------------------------------------------------------------------------------- config
+
+
+def _weight_quantizer_cfgs(cfg: dict) -> list[dict]:
+    """The attribute dicts of the ``*weight_quantizer`` entry, in either config shape (dict-style
+    ``quant_cfg`` in ModelOpt ~0.37, list of entries in 0.47); a sequential quantizer gives several."""
+    entries = cfg["quant_cfg"]
+    if isinstance(entries, dict):
+        found = entries.get("*weight_quantizer")
+    else:
+        found = next((e.get("cfg") for e in entries
+                      if e.get("quantizer_name") == "*weight_quantizer" and e.get("cfg") is not None), None)
+    if found is None:
+        raise KilnError("the installed ModelOpt's config has no '*weight_quantizer' entry; kiln supports "
+                        "nvidia-modelopt 0.37 to 0.47")
+    return list(found) if isinstance(found, (list, tuple)) else [found]
+
+
+def _set_weight_quantizer(cfg: dict, attrs: dict) -> None:
+    entries = cfg["quant_cfg"]
+    if isinstance(entries, dict):
+        entries["*weight_quantizer"] = attrs
+        return
+    for entry in entries:
+        if entry.get("quantizer_name") == "*weight_quantizer" and "cfg" in entry:
+            entry["cfg"] = attrs
+
+
+def _set_block_size(cfg: dict, block: int) -> None:
+    attrs = _weight_quantizer_cfgs(cfg)[0]
+    sizes = attrs.get("block_sizes")
+    if not isinstance(sizes, dict):
+        raise KilnError("the installed ModelOpt's INT4 config has no block_sizes to set")
+    key = -1 if -1 in sizes or "-1" not in sizes else "-1"
+    sizes[key] = block
+
+
+def _disable_entries(cfg: dict, patterns: list[str]) -> None:
+    """Append "disable these quantizers" entries (last entries win in both config shapes)."""
+    entries = cfg.get("quant_cfg")
+    if isinstance(entries, dict):
+        for pattern in patterns:
+            entries[pattern] = {"enable": False}
+    else:
+        entries.extend({"quantizer_name": p, "enable": False} for p in patterns)
+
+
+def kv_cache_config(kv: str, mtq: Any) -> Any:
+    """The KV-cache quantizer entries for ``fp8`` (ModelOpt's FP8_KV_CFG) or ``int8`` (the same entries
+    with 8-bit integers, as upstream's INT8 KV cache), in the installed ModelOpt's shape."""
+    entries = copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"])
+    if kv == "fp8":
+        return entries
+
+    def to_int8(attrs: Any) -> Any:
+        if isinstance(attrs, dict) and "num_bits" in attrs:
+            return {**attrs, "num_bits": 8}
+        return attrs
+
+    if isinstance(entries, dict):
+        return {k: to_int8(v) for k, v in entries.items() if k != "default"}
+    return [{**e, "cfg": to_int8(e["cfg"])} if "cfg" in e else e for e in entries]
+
+
+def _merge_kv(cfg: dict, kv_entries: Any) -> dict:
+    """ModelOpt's own helper when present; otherwise the same merge by hand."""
+    try:
+        from modelopt.torch.quantization.utils import update_quant_cfg_with_kv_cache_quant
+    except ImportError:  # pragma: no cover - older ModelOpt
+        update_quant_cfg_with_kv_cache_quant = None
+    if update_quant_cfg_with_kv_cache_quant is not None:
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints the whole config
+            return update_quant_cfg_with_kv_cache_quant(cfg, kv_entries)
+    merged = copy.deepcopy(cfg)  # pragma: no cover
+    if isinstance(kv_entries, dict):  # pragma: no cover
+        merged["quant_cfg"] = merged.get("quant_cfg") or {"default": {"enable": False}}
+        merged["quant_cfg"].update(kv_entries)
+    else:  # pragma: no cover
+        merged["quant_cfg"] = (merged.get("quant_cfg") or [{"quantizer_name": "*", "enable": False}]) + kv_entries
+    merged["algorithm"] = merged.get("algorithm") or "max"  # pragma: no cover
+    return merged  # pragma: no cover
+
+
+def exclude_patterns(modules: tuple[str, ...]) -> list[str]:
+    """Recipe module patterns (fnmatch on module names) → quantizer-name patterns."""
+    return [p if p.endswith("*") else f"{p}.*" for p in modules]
+
+
+def build_quant_config(recipe: Recipe) -> Optional[dict]:
+    """The ModelOpt quantization config for a recipe, or None when nothing is quantized.
+
+    ModelOpt's presets are deep-copied before any edit. Handles both config shapes (dict-style
+    ``quant_cfg`` in ModelOpt ~0.37, a list of entries in 0.47).
+    """
+    import modelopt.torch.quantization as mtq
+
+    q = recipe.quantization
+    if q.format == "none" and q.kv_cache == "none":
+        return None
+    if q.format == "none":
+        cfg: dict = {"quant_cfg": None, "algorithm": None}
+    else:
+        name = MODELOPT_CONFIGS[q.format]
+        preset = getattr(mtq, name, None)
+        if preset is None:
+            raise KilnError(f"the installed nvidia-modelopt has no {name} (needed for quantization.format: "
+                            f"{q.format}); install nvidia-modelopt 0.37 to 0.47")
+        cfg = copy.deepcopy(preset)
+        if q.format == "int8_sq":
+            cfg["algorithm"] = {"method": "smoothquant", "alpha": q.smoothquant_alpha}
+        elif q.format in BLOCK_FORMATS:
+            _set_block_size(cfg, q.awq_block_size)
+        elif q.format == "int4_wo":
+            # TensorRT-LLM's W4A16 is per output channel: use the same scales in the fake-quant model.
+            attrs = {k: v for k, v in _weight_quantizer_cfgs(cfg)[0].items() if k != "block_sizes"}
+            _set_weight_quantizer(cfg, {**attrs, "num_bits": 4, "axis": 0})
+    if q.kv_cache != "none":
+        cfg = _merge_kv(cfg, kv_cache_config(q.kv_cache, mtq))
+    if q.exclude_modules:
+        _disable_entries(cfg, exclude_patterns(q.exclude_modules))
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------- checks
+
+
+def calib_sample_count(recipe: Recipe) -> int:
+    """Calibration samples used: the recipe's, capped at 32 for AWQ formats (as upstream)."""
+    samples = recipe.quantization.calibration.samples
+    return min(samples, AWQ_MAX_SAMPLES) if "awq" in recipe.quantization.format else samples
+
+
+def needs_calibration(recipe: Recipe) -> bool:
+    return recipe.quantization.format != "none" or recipe.quantization.kv_cache != "none"
+
+
+def _check_device(recipe: Recipe) -> None:
+    import torch
+
+    fmt = recipe.quantization.format
+    if fmt in CUDA_ONLY_FORMATS and not torch.cuda.is_available():
+        raise InputError(f"quantization.format: {fmt} calibration needs a CUDA GPU (ModelOpt's {fmt} fake "
+                         "quantization runs only on CUDA) and this machine has none; quantize on a GPU machine, "
+                         "or pick a format that calibrates on the CPU (fp8, int8_sq, int4_awq, w4a8_awq, int8_wo, "
+                         "int4_wo)")
+
+
+def _module_names(info: ModelInfo) -> list[str]:
+    """Module names of the model's weights, from the safetensors headers (no weights read)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in info.weight_files:
+        with safe_open(str(file), framework="pt") as handle:
+            names.update(k.rsplit(".", 1)[0] for k in handle.keys())
+    return sorted(names)
+
+
+def _check_excludes(recipe: Recipe, info: ModelInfo, ctx: StepContext) -> None:
+    """Warn about exclude patterns that match nothing; refuse ones TensorRT-LLM cannot honour."""
+    q = recipe.quantization
+    modules = _module_names(info)
+    for pattern in q.exclude_modules:
+        matched = [m for m in modules if fnmatch.fnmatchcase(m, pattern)]
+        if not matched and pattern != "lm_head":
+            ctx.log(f"  warning: quantization.exclude_modules: {pattern!r} matches no module of the model "
+                    f"(e.g. {modules[len(modules) // 2] if modules else '-'}); it has no effect")
+        if (recipe.target == "tensorrt" and q.format in WEIGHT_ONLY_FORMATS
+                and any(m != "lm_head" for m in matched)):
+            raise InputError(f"quantization.exclude_modules: {pattern!r} cannot be honoured with {q.format} on "
+                             "target tensorrt: TensorRT-LLM quantizes weight-only formats itself at build time, "
+                             "every attention and MLP layer; remove the pattern, or use int4_awq / int8_sq / fp8, "
+                             "which ModelOpt exports with per-layer exclusions")
+
+
+def _check_parallelism(recipe: Recipe, info: ModelInfo) -> None:
+    if recipe.target != "tensorrt":
+        return
+    tp, pp = recipe.parallelism.tp, recipe.parallelism.pp
+    heads, layers = info.num_attention_heads, info.num_hidden_layers
+    if heads and heads % tp:
+        raise InputError(f"parallelism.tp: {tp} does not divide the model's {heads} attention heads; "
+                         f"use a divisor of {heads}")
+    if layers and pp > layers:
+        raise InputError(f"parallelism.pp: {pp} pipeline stages for a model of {layers} layers; use at most {layers}")
+
+
+# --------------------------------------------------------------------------------------------- hashes
+
+
+def quantize_input_hashes(loaded: LoadedRecipe) -> dict[str, str]:
+    """Content hashes of the step's external inputs: the model (and tokenizer) and the calibration data."""
+    recipe = loaded.recipe
+    hashes = {"model": model_source_hash(recipe.model.source)}
+    if recipe.model.tokenizer:
+        hashes["tokenizer"] = model_source_hash(recipe.model.tokenizer, key="model.tokenizer")
+    if needs_calibration(recipe):
+        hashes["calibration"] = content_hash(recipe.quantization.calibration)
+    return hashes
+
+
+# --------------------------------------------------------------------------------------------- step
+
+
+@contextlib.contextmanager
+def quiet_stdout() -> Iterator[None]:
+    """ModelOpt prints configs and per-rank chatter to stdout; keep kiln's output readable."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
+def _forward_loop(batch_list: list[dict], ctx: StepContext) -> Callable[[Any], None]:
+    import torch
+
+    def loop(model: Any) -> None:
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            for batch in ctx.track(batch_list, "calibrating", total=len(batch_list)):
+                model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False)
+
+    return loop
+
+
+def _probe_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    with torch.no_grad():
+        device = next(model.parameters()).device
+        return model(input_ids=ids.to(device), use_cache=False).logits.float().cpu()
+
+
+def quantize(ctx: StepContext) -> dict:
+    """Calibrate and export the recipe's model into ``ctx.out_dir`` (see the module docstring)."""
+    started = time.perf_counter()
+    recipe = ctx.recipe
+    q = recipe.quantization
+    calib = q.calibration
+
+    # ---- cheap checks first: everything the user can get wrong fails here, before any weights load
+    _check_device(recipe)
+    model_dir = resolve_model_dir(recipe.model.source, recipe.model.trust_remote_code,
+                                  progress=ctx.show_progress)
+    tok_dir = (resolve_model_dir(recipe.model.tokenizer, recipe.model.trust_remote_code, key="model.tokenizer")
+               if recipe.model.tokenizer else None)
+    info = check_model_dir(model_dir, tokenizer_dir=tok_dir)
+    _check_parallelism(recipe, info)
+    _check_excludes(recipe, info, ctx)
+    dtype = resolve_dtype(recipe.model.dtype, info.config)
+    tokenizer = load_tokenizer(tok_dir or model_dir, recipe.model.trust_remote_code)
+    samples: list = []
+    data_hash = None
+    if needs_calibration(recipe):
+        texts = load_texts(calib, "quantization.calibration")
+        samples = tokenize_samples(texts, tokenizer, calib_sample_count(recipe), calib.max_seq_len, calib.seed,
+                                   key="quantization.calibration", min_tokens=1)
+        data_hash = content_hash(calib)
+    quant_cfg = build_quant_config(recipe)
+
+    # ---- heavy work
+    import torch
+
+    torch.manual_seed(calib.seed)
+    out = Path(ctx.out_dir)
+    ckpt = out / CHECKPOINT_DIR
+    ctx.log(f"  model {info.architecture} ({info.parameters / 1e6:.1f}M parameters) from {model_dir}, {dtype}")
+    t0 = time.perf_counter()
+    with ctx.status(f"loading the model ({dtype})"):
+        model = load_model(model_dir, dtype, recipe.model.trust_remote_code)
+        with hf_progress_off():
+            model.save_pretrained(str(ckpt))
+        tokenizer.save_pretrained(str(ckpt))
+    load_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    if quant_cfg is not None:
+        import modelopt.torch.quantization as mtq
+
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        loop = _forward_loop(batches(samples, calib.batch_size, pad_id), ctx)
+        ctx.log(f"  calibrating {q.format}" + (f" + {q.kv_cache} KV cache" if q.kv_cache != "none" else "")
+                + f" on {len(samples)} samples × ≤{calib.max_seq_len} tokens")
+        try:
+            with quiet_stdout():
+                model = mtq.quantize(model, quant_cfg, forward_loop=loop)
+        except (RuntimeError, ValueError, AssertionError) as exc:
+            raise KilnError(f"ModelOpt calibration failed for {q.format}: {str(exc).splitlines()[0]}") from exc
+    calib_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    import modelopt.torch.opt as mto
+    from safetensors.torch import save_file
+
+    probe = (samples[0] if samples else torch.tensor(
+        tokenizer("kiln probe: the quick brown fox jumps over the lazy dog.")["input_ids"]))[:PROBE_TOKENS][None, :]
+    save_file({"input_ids": probe.contiguous(), "logits": _probe_logits(model, probe).contiguous()},
+              str(out / RESTORE_CHECK))
+    mto.save(model, str(ckpt / MODELOPT_STATE))
+
+    quant_algo = EXPECTED_QUANT_ALGO[q.format]
+    kv_algo = EXPECTED_KV_ALGO[q.kv_cache]
+    if recipe.target == "tensorrt":
+        quant_algo, kv_algo = export_trtllm(model, recipe, info, dtype, tokenizer, out / TRTLLM_DIR)
+    export_s = time.perf_counter() - t0
+
+    record = {
+        "format": q.format, "kv_cache": q.kv_cache, "quant_algo": quant_algo, "kv_cache_quant_algo": kv_algo,
+        "dtype": dtype, "architecture": info.architecture, "exclude_modules": list(q.exclude_modules),
+        "smoothquant_alpha": q.smoothquant_alpha if q.format == "int8_sq" else None,
+        "block_size": q.awq_block_size if q.format in BLOCK_FORMATS else None,
+        "calib_samples": len(samples), "calib_data": data_hash, "modelopt_state": MODELOPT_STATE,
+    }
+    (ckpt / QUANT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    del model  # refcounting frees it; a full gc.collect() here costs more than a small model's calibration
+    return step_result(
+        format=q.format, kv_cache=q.kv_cache, quant_algo=quant_algo, kv_cache_quant_algo=kv_algo, dtype=dtype,
+        calib_samples=len(samples), calib_data=data_hash, params=info.parameters, checkpoint=CHECKPOINT_DIR,
+        trtllm_checkpoint=TRTLLM_DIR if recipe.target == "tensorrt" else None,
+        load_seconds=round(load_s, 3), calib_seconds=round(calib_s, 3), export_seconds=round(export_s, 3),
+        seconds=round(time.perf_counter() - started, 3),
+    )
+
+
+# --------------------------------------------------------------------------------------------- export
+
+
+def export_trtllm(model: Any, recipe: Recipe, info: ModelInfo, dtype: str, tokenizer: Any,
+                  export_dir: Path) -> tuple[Optional[str], Optional[str]]:
+    """Write the TensorRT-LLM checkpoint and check it; returns (quant_algo, kv_cache_quant_algo)."""
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_tensorrt_llm_checkpoint
+
+    from kiln.models.loading import torch_dtype
+
+    q = recipe.quantization
+    tp, pp = recipe.parallelism.tp, recipe.parallelism.pp
+    if q.format in WEIGHT_ONLY_FORMATS:
+        # Upstream's weight-only path: unquantized weights, TensorRT-LLM quantizes them at build time.
+        mtq.disable_quantizer(model, "*weight_quantizer")
+        mtq.disable_quantizer(model, "*input_quantizer")
+    try:
+        with quiet_stdout():
+            export_tensorrt_llm_checkpoint(model, decoder_type=info.decoder_type, dtype=torch_dtype(dtype),
+                                           export_dir=str(export_dir), inference_tensor_parallel=tp,
+                                           inference_pipeline_parallel=pp)
+    except (RuntimeError, ValueError, AssertionError, KeyError, NotImplementedError) as exc:
+        raise KilnError(f"ModelOpt's TensorRT-LLM export failed: {type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    config_path = export_dir / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    quant = config.setdefault("quantization", {})
+    if q.format in WEIGHT_ONLY_FORMATS:
+        quant["quant_algo"] = EXPECTED_QUANT_ALGO[q.format]
+    fix_rope(config, info.config)
+    config_path.write_text(json.dumps(config, indent=4) + "\n", encoding="utf-8")
+    tokenizer.save_pretrained(str(export_dir / "tokenizer"))
+    return check_trtllm_checkpoint(export_dir, q.format, q.kv_cache, tp * pp)
+
+
+def hf_rope(hf_config: dict) -> tuple[Optional[float], Optional[dict]]:
+    """(rope theta, rope scaling without theta or None for plain RoPE) from a config.json written by
+    transformers 4 (``rope_theta`` + ``rope_scaling``) or 5 (``rope_parameters``)."""
+    params = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    params = params if isinstance(params, dict) else {}
+    theta = hf_config.get("rope_theta", params.get("rope_theta"))
+    rope_type = params.get("rope_type") or params.get("type")
+    scaling = None
+    if rope_type and rope_type != "default":
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        scaling.setdefault("type", rope_type)
+    return (float(theta) if theta is not None else None), scaling
+
+
+def fix_rope(trt_config: dict, hf_config: dict) -> None:
+    """Carry RoPE settings into the TensorRT-LLM config. ModelOpt 0.47 reads ``rope_theta`` /
+    ``rope_scaling`` attributes that transformers 5 moved into ``rope_parameters``: without this the
+    checkpoint silently falls back to base 10000 and no scaling (wrong for Llama 3.x)."""
+    theta, scaling = hf_rope(hf_config)
+    if theta is not None:
+        trt_config["rotary_base"] = theta
+    current = trt_config.get("rotary_scaling")
+    if scaling is not None:
+        trt_config["rotary_scaling"] = scaling
+    elif isinstance(current, dict) and (current.get("rope_type") or current.get("type")) in (None, "default"):
+        trt_config["rotary_scaling"] = None
+
+
+def check_trtllm_checkpoint(export_dir: Path, fmt: str, kv: str,
+                            world_size: int) -> tuple[Optional[str], Optional[str]]:
+    """The exported checkpoint's (quant_algo, kv_cache_quant_algo), after checking that they are what
+    TensorRT-LLM 1.2 expects for the recipe's format and that every rank's weights are there."""
+    config = json.loads((export_dir / "config.json").read_text(encoding="utf-8"))
+    quant = config.get("quantization") or {}
+    got_algo, got_kv = quant.get("quant_algo"), quant.get("kv_cache_quant_algo")
+    want_algo, want_kv = EXPECTED_QUANT_ALGO[fmt], EXPECTED_KV_ALGO[kv]
+    try:
+        from kiln.steps.trtllm_flags import KV_CACHE_QUANT_ALGOS, QUANT_ALGOS
+    except ImportError:  # pragma: no cover - the flag tables are optional here
+        QUANT_ALGOS = KV_CACHE_QUANT_ALGOS = None  # noqa: N806
+    problems = []
+    if got_algo != want_algo:
+        problems.append(f"quant_algo is {got_algo!r}, TensorRT-LLM 1.2 expects {want_algo!r} for {fmt}")
+    elif QUANT_ALGOS is not None and got_algo is not None and got_algo not in QUANT_ALGOS:
+        problems.append(f"quant_algo {got_algo!r} is not one TensorRT-LLM 1.2 accepts")
+    if got_kv != want_kv:
+        problems.append(f"kv_cache_quant_algo is {got_kv!r}, TensorRT-LLM 1.2 expects {want_kv!r} for KV cache {kv}")
+    elif KV_CACHE_QUANT_ALGOS is not None and got_kv is not None and got_kv not in KV_CACHE_QUANT_ALGOS:
+        problems.append(f"kv_cache_quant_algo {got_kv!r} is not one TensorRT-LLM 1.2 accepts")
+    mapping = config.get("mapping") or {}
+    if mapping.get("world_size") != world_size:
+        problems.append(f"mapping.world_size is {mapping.get('world_size')}, expected {world_size} (tp × pp)")
+    missing = [f"rank{r}.safetensors" for r in range(world_size) if not (export_dir / f"rank{r}.safetensors").is_file()]
+    if missing:
+        problems.append("missing " + ", ".join(missing))
+    if problems:
+        raise KilnError(f"the exported TensorRT-LLM checkpoint {export_dir} is not what TensorRT-LLM 1.2 expects: "
+                        + "; ".join(problems) + ". This is a ModelOpt/kiln mismatch: report it with "
+                        "`pip show nvidia-modelopt`")
+    return got_algo, got_kv
+
+
+def _files_checked() -> tuple[str, ...]:
+    return (f"{CHECKPOINT_DIR}/config.json", f"{CHECKPOINT_DIR}/{MODELOPT_STATE}", f"{CHECKPOINT_DIR}/{QUANT_RECORD}",
+            RESTORE_CHECK)
+
+
+def describe(loaded: LoadedRecipe) -> list[str]:
+    """Lines for --dry-run."""
+    r = loaded.recipe
+    q = r.quantization
+    name = MODELOPT_CONFIGS.get(q.format, "no weight quantization")
+    if q.format == "int4_wo":
+        name += " with per-channel scales (TensorRT-LLM W4A16)"
+    elif q.format in BLOCK_FORMATS:
+        name += f", block {q.awq_block_size}"
+    lines = [f"ModelOpt {name}"
+             + (f" + {q.kv_cache.upper()} KV cache" if q.kv_cache != "none" else "")
+             + (f", {calib_sample_count(r)} calibration samples from {q.calibration.dataset}"
+                if needs_calibration(r) else "")]
+    if r.target == "tensorrt":
+        lines.append(f"export_tensorrt_llm_checkpoint(tp={r.parallelism.tp}, pp={r.parallelism.pp}) → "
+                     f"quant_algo {EXPECTED_QUANT_ALGO[q.format]}, kv_cache_quant_algo {EXPECTED_KV_ALGO[q.kv_cache]}")
+    return lines
+
+
+SPEC = StepSpec(
+    name="quantize",
+    fn=quantize,
+    keys=("model", "quantization", "parallelism", "target"),
+    tools=("nvidia-modelopt", "torch", "transformers"),
+    input_hashes=quantize_input_hashes,
+    describe=describe,
+    files_checked=_files_checked(),
+)
