@@ -157,6 +157,3 @@ def main() -> None:
 
 # The pipeline-facing commands register themselves on `cli` (imported last: they import from this module).
 from kiln.cli import commands, serve_cmds  # noqa: E402,F401
-
-if __name__ == "__main__":
-    main()

@@ -71,7 +71,7 @@ def serve(target, overrides, host, http_port, grpc_port, metrics_port, docker, b
         sys.exit(run_docker(cmd))
     if background:
         sf = state_file_for(repo)
-        argv = [sys.executable, "-m", "kiln.cli.main", "serve", str(repo), "--host", cfg.host,
+        argv = [sys.executable, "-m", "kiln", "serve", str(repo), "--host", cfg.host,
                 "--http-port", str(cfg.http_port), "--grpc-port", str(cfg.grpc_port),
                 "--metrics-port", str(cfg.metrics_port), "--timeout", str(timeout), "--state-file", str(sf)]
         state = start_background(argv, sf, sf.with_suffix(".log"), timeout)

@@ -187,7 +187,9 @@ def evaluate(ctx: StepContext) -> dict:
     _write_quality(out, {"skipped": False, **figures,
                          "gate": {"max_ppl_increase_pct": ev.max_ppl_increase_pct, "max_kl": ev.max_kl}})
     _print_table(ctx, figures, recipe)
-    return step_result(**figures)
+    summary = (f"ppl {figures['base_perplexity']:.3f} → {figures['quant_perplexity']:.3f} "
+               f"({figures['ppl_increase_pct']:+.2f}%), KL {figures['mean_kl']:.5f}")
+    return step_result(summary=summary, **figures)
 
 
 def _print_table(ctx: StepContext, f: dict, recipe: Recipe) -> None:

@@ -406,7 +406,9 @@ def quantize(ctx: StepContext) -> dict:
     }
     (ckpt / QUANT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     del model  # refcounting frees it; a full gc.collect() here costs more than a small model's calibration
+    label = q.format + (f" + {q.kv_cache} KV" if q.kv_cache != "none" else "")
     return step_result(
+        summary=f"{label} (quant_algo {quant_algo}), {len(samples)} calibration samples, {info.parameters:,} params",
         format=q.format, kv_cache=q.kv_cache, quant_algo=quant_algo, kv_cache_quant_algo=kv_algo, dtype=dtype,
         calib_samples=len(samples), calib_data=data_hash, params=info.parameters, checkpoint=CHECKPOINT_DIR,
         trtllm_checkpoint=TRTLLM_DIR if recipe.target == "tensorrt" else None,

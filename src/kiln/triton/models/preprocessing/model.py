@@ -189,6 +189,10 @@ class TritonPythonModel:
         if not os.path.isfile(path):
             raise ValueError(f"preprocessing: {path} not found (tokenizer_dir must hold a tokenizer.json)")
         self.tokenizer = Tokenizer.from_file(path)
+        # A tokenizer.json may carry truncation/padding settings: prompts are never cut silently here, an
+        # over-long prompt gets an error naming max_input_len instead.
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
         self.add_special_tokens = get_bool_param(cfg, "add_special_tokens", True)
         self.max_input_len = get_int_param(cfg, "max_input_len", None)
         self.max_seq_len = get_int_param(cfg, "max_seq_len", None)
