@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -14,6 +16,23 @@ from kiln.pipeline.registry import STEP_ORDER
 from kiln.util.errors import InputError
 
 STEPS = click.Choice(list(STEP_ORDER))
+
+
+@contextlib.contextmanager
+def stdout_to_stderr(active: bool = True):
+    """Send everything written to file descriptor 1 (Python or C) to stderr while active."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def layout_options(fn):
@@ -33,7 +52,8 @@ def _run_build(recipe: str, overrides, strict, from_step, to_step, force, dry_ru
     if dry_run:
         describe_plan(plan(loaded, layout, force, from_step, to_step), loaded, out)
         return
-    summary = run(loaded, layout, force, from_step, to_step, console=err, progress=not quiet)
+    with stdout_to_stderr(as_json):  # libraries that print to stdout must not corrupt the JSON
+        summary = run(loaded, layout, force, from_step, to_step, console=err, progress=not quiet)
     if as_json:
         click.echo(summary_json(summary))
     else:

@@ -1,0 +1,166 @@
+"""The real pipeline on the built-in model: no-op rebuilds, crash safety under SIGKILL, concurrent builds, and the
+tensorrt target stopping at the engine step on a machine without a GPU."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kiln.recipe.catalog import configs_dir
+
+pytestmark = pytest.mark.integration
+
+RECIPE = str(configs_dir() / "tiny-llama.yaml")
+FAST = ["--set", "quantization.calibration.samples=8", "--set", "quantization.calibration.max_seq_len=64",
+        "--set", "evaluation.samples=4", "--set", "evaluation.max_seq_len=64"]
+
+
+def kiln(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kiln", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def digests(root: Path) -> dict[str, object]:
+    """Content of every artifact file (manifests left out): a hash, or for pickled ModelOpt state (whose bytes
+    vary with pickling order) the tensors and values it holds."""
+    out: dict[str, object] = {}
+    for p in sorted(root.rglob("*")):
+        if not p.is_file() or p.name == "manifest.json":
+            continue
+        key = str(p.relative_to(root))
+        out[key] = _state(p) if p.suffix == ".pth" else hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def _state(path: Path) -> object:
+    import torch
+
+    def norm(x):
+        if isinstance(x, dict):
+            return {str(k): norm(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [norm(v) for v in x]
+        if torch.is_tensor(x):
+            return hashlib.sha256(x.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+        return repr(x)
+
+    return norm(torch.load(path, map_location="cpu", weights_only=False))
+
+
+def started(build: Path) -> dict[str, str]:
+    return {str(p.relative_to(build)): json.loads(p.read_text())["started"] for p in sorted(build.glob("*/*/manifest.json"))}
+
+
+def test_unchanged_rebuild_runs_nothing_and_serving_change_only_packages(tmp_path):
+    first = kiln("build", RECIPE, *FAST, "--quiet", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    before = started(tmp_path / "build")
+    again = kiln("build", RECIPE, *FAST, "--json", "--quiet", cwd=tmp_path)
+    assert again.returncode == 0
+    assert {s["status"] for s in json.loads(again.stdout)["steps"]} == {"skipped"}
+    assert started(tmp_path / "build") == before
+    serving = kiln("build", RECIPE, *FAST, "--set", "serving.max_queue_delay_microseconds=100", "--json", "--quiet",
+                   cwd=tmp_path)
+    statuses = {s["name"]: s["status"] for s in json.loads(serving.stdout)["steps"]}
+    assert statuses == {"resolve": "skipped", "quantize": "skipped", "evaluate": "skipped", "build": "skipped",
+                        "package": "ran"}
+    dry = kiln("build", RECIPE, *FAST, "--set", "quantization.calibration.seed=7", "--dry-run", cwd=tmp_path)
+    assert "quantization.calibration.seed: 1234 → 7" in dry.stdout and "skip resolve" in dry.stdout.replace("  ", " ")
+
+
+def _kill_when(proc: subprocess.Popen, predicate, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return
+        assert proc.poll() is None, "the build finished before it could be killed"
+        time.sleep(0.05)
+    raise AssertionError("the build never reached the point to kill it at")
+
+
+@pytest.mark.parametrize("when", ["calibration", "export"])
+def test_sigkill_leaves_nothing_a_later_run_accepts(tmp_path, when):
+    build = tmp_path / "build" / "tiny-llama"
+    proc = subprocess.Popen([sys.executable, "-m", "kiln", "build", RECIPE, *FAST, "--quiet"], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def tmp_dirs():
+        return list(build.glob(".quantize.tmp-*")) if build.is_dir() else []
+
+    if when == "calibration":
+        _kill_when(proc, lambda: bool(tmp_dirs()))
+    else:  # once the exported checkpoint starts appearing in the temp dir
+        _kill_when(proc, lambda: any((d / "checkpoint").exists() for d in tmp_dirs()))
+    assert not (build / "quantize" / "manifest.json").exists()
+    resumed = kiln("build", RECIPE, *FAST, "--json", "--quiet", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    statuses = {s["name"]: s["status"] for s in json.loads(resumed.stdout)["steps"]}
+    assert statuses["quantize"] == "ran"  # the half-written output was not accepted
+    assert not list(build.glob(".quantize.tmp-*"))
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    assert kiln("build", RECIPE, *FAST, "--quiet", cwd=clean).returncode == 0
+    assert digests(build / "quantize") == digests(clean / "build" / "tiny-llama" / "quantize")
+
+
+def test_two_simultaneous_builds_make_one_set_of_artifacts(tmp_path):
+    cmd = [sys.executable, "-m", "kiln", "build", RECIPE, *FAST, "--json", "--quiet"]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [r[1][-2000:] for r in results]
+    quantize = sorted({s["name"]: s["status"] for s in json.loads(out)["steps"]}["quantize"] for out, _ in results)
+    assert quantize == ["ran", "skipped"]
+    assert any("another kiln build of tiny-llama is running" in err for _, err in results)
+    assert len(list((tmp_path / "build" / "tiny-llama").glob("quantize*"))) == 1
+
+
+def test_tensorrt_recipe_stops_at_the_engine_step_after_quantizing(tmp_path):
+    args = ["build", RECIPE, *FAST, "--set", "target=tensorrt", "--set", "name=tiny-trt"]
+    dry = kiln(*args, "--dry-run", cwd=tmp_path)
+    assert dry.returncode == 0
+    assert "trtllm-build --checkpoint_dir build/tiny-trt/quantize/trtllm_checkpoint" in dry.stdout
+    assert "--kv_cache_type paged" in dry.stdout and "--tokens_per_block 32" in dry.stdout
+    run = kiln(*args, "--quiet", "--json", cwd=tmp_path)
+    assert run.returncode == 1
+    steps = {s["name"]: s for s in json.loads(run.stdout)["steps"]}
+    assert steps["quantize"]["status"] == "ran" and steps["evaluate"]["status"] == "ran"
+    assert steps["build"]["status"] == "failed" and steps["package"]["status"] == "not run"
+    message = steps["build"]["message"]
+    assert "TensorRT-LLM is not installed" in message or "no CUDA device" in message
+    assert "target: reference" in message and "Traceback" not in run.stderr
+    ckpt = json.loads((tmp_path / "build" / "tiny-trt" / "quantize" / "trtllm_checkpoint" / "config.json").read_text())
+    assert ckpt["quantization"]["quant_algo"] == "W4A16_AWQ"
+
+
+def _gpu_ready() -> str | None:
+    import importlib.util
+    import shutil
+
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        return "tensorrt_llm is not installed"
+    if shutil.which("nvidia-smi") is None:
+        return "no CUDA device (nvidia-smi not found)"
+    return None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_ready() is not None, reason=f"needs a CUDA GPU and TensorRT-LLM 1.2.x: {_gpu_ready()}")
+def test_gpu_builds_a_real_engine(tmp_path):
+    """On a GPU host with TensorRT-LLM: the built-in model's tensorrt recipe compiles and packages for real."""
+    result = kiln("build", RECIPE, "--set", "target=tensorrt", "--set", "name=tiny-gpu", "--set",
+                  "quantization.format=int8_sq", "--quiet", cwd=tmp_path, timeout=3600)
+    assert result.returncode == 0, result.stderr
+    engine = tmp_path / "build" / "tiny-gpu" / "build" / "engine"
+    assert (engine / "rank0.engine").stat().st_size > 0
+    assert kiln("lint", str(tmp_path / "triton_repo" / "tiny-gpu"), cwd=tmp_path).returncode == 0
