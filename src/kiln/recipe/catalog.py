@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from kiln.recipe.errors import Origin, Problem, RecipeError
-from kiln.recipe.loader import load_recipe
+from kiln.recipe.loader import load_recipe, read_yaml
 
 
 def configs_dir() -> Path:
@@ -63,19 +63,36 @@ def new_recipe(name: str, source: Path, out: Path) -> Path:
         raise RecipeError([Problem("error", "name", f"{name!r} is not a valid recipe name", Origin("kiln new"),
                                    "use lower-case letters, digits, '.', '_' and '-'")])
     load_recipe(source)  # the source must be valid
+    exists = RecipeError([Problem("error", "", f"{out} already exists; kiln never overwrites a recipe",
+                                  Origin(str(out)), "choose another NAME or --out")])
     if out.exists():
-        raise RecipeError([Problem("error", "", f"{out} already exists; kiln never overwrites a recipe",
-                                   Origin(str(out)), "choose another NAME or --out")])
+        raise exists
+    data, lines = read_yaml(source)
     text = source.read_text(encoding="utf-8")
+    ext = lines.get(("extends",))
+    if isinstance(data.get("extends"), str) and ext is not None and ext.line:
+        # re-point the parsed value (quoted or with a trailing comment alike) on the line that holds it
+        rows = text.splitlines(keepends=True)
+        row = rows[ext.line - 1]
+        if row.startswith("extends:"):
+            rel = os.path.relpath((source.parent / data["extends"]).resolve(), out.resolve().parent)
+            rows[ext.line - 1] = f"extends: {rel}" + ("\n" if row.endswith("\n") else "")
+            text = "".join(rows)
     text, n = re.subn(r"(?m)^name:.*$", f"name: {name}", text, count=1)
     if n == 0:
         text = f"name: {name}\n" + text
-    m = re.search(r"(?m)^extends:\s*(\S+)\s*$", text)
-    if m:
-        base = (source.parent / m.group(1).strip("'\"")).resolve()
-        rel = os.path.relpath(base, out.resolve().parent)
-        text = text[: m.start()] + f"extends: {rel}" + text[m.end():]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text, encoding="utf-8")
-    load_recipe(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("x", encoding="utf-8") as fh:  # "x": never overwrite, even if created meanwhile
+            fh.write(text)
+    except FileExistsError:
+        raise exists from None
+    except OSError as exc:
+        raise RecipeError([Problem("error", "", f"cannot write {out}: {exc.strerror or exc}", Origin(str(out)),
+                                   "choose a writable --out")]) from None
+    try:
+        load_recipe(out)
+    except RecipeError:
+        out.unlink()  # leave no broken copy behind
+        raise
     return out

@@ -22,6 +22,7 @@ from kiln.recipe.schema import Recipe
 
 Path_ = tuple[str, ...]
 _MAX_EXTENDS_DEPTH = 16
+_MAX_NODES = 100_000  # values in one file once YAML aliases are expanded; a recipe has a few hundred
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ def _yaml_problem(err: yaml.YAMLError, file: str) -> Problem:
     ctx = getattr(err, "context", None)
     msg = f"invalid YAML: {what}" + (f" ({ctx})" if ctx else "")
     hint = ""
-    if isinstance(err, yaml.constructor.ConstructorError):
+    if isinstance(err, yaml.constructor.ConstructorError) and "tag" in str(what):
         hint = "recipes are plain YAML: remove the tag (e.g. !!python/...) and write a plain value"
     return Problem("error", "", msg, Origin(file, line), hint)
 
@@ -75,6 +76,24 @@ def _walk_lines(node: yaml.Node, prefix: Path_, file: str, out: dict[Path_, Orig
         _walk_lines(value_node, path, file, out, problems)
 
 
+def _expanded_size_exceeds(node: Optional[yaml.Node], limit: int) -> bool:
+    """Whether the YAML graph has more than `limit` nodes with aliases expanded (as loading expands them).
+
+    Guards everything that walks the loaded data against alias bombs and recursive anchors (`&a [*a]`)."""
+    count, stack = 0, [node] if node is not None else []
+    while stack:
+        n = stack.pop()
+        count += 1
+        if count > limit:
+            return True
+        if isinstance(n, yaml.MappingNode):
+            for k, v in n.value:
+                stack.extend((k, v))
+        elif isinstance(n, yaml.SequenceNode):
+            stack.extend(n.value)
+    return False
+
+
 def read_yaml(path: Path) -> tuple[dict, dict[Path_, Origin]]:
     """Read one YAML file safely; return its mapping and the line of each key. Raises RecipeError."""
     file = str(path)
@@ -90,10 +109,17 @@ def read_yaml(path: Path) -> tuple[dict, dict[Path_, Origin]]:
                                    "start from a shipped recipe: kiln new NAME --from configs/tiny-llama.yaml")])
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if _expanded_size_exceeds(node, _MAX_NODES):
+            raise RecipeError([Problem("error", "", f"recipe too large: more than {_MAX_NODES} values once YAML "
+                                       "aliases are expanded", Origin(file),
+                                       "remove recursive or repeatedly nested anchors (&name / *name)")])
         data = yaml.load(text, Loader=yaml.SafeLoader)  # noqa: S506 - SafeLoader
     except yaml.YAMLError as exc:
         raise RecipeError([_yaml_problem(exc, file)]) from None
-    except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # e.g. unhashable keys
+    except RecipeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - PyYAML's constructors fail in many ways on malformed input
+        # (huge ints: ValueError; deep nesting: RecursionError; `!!timestamp x`: AttributeError)
         raise RecipeError([Problem("error", "", f"invalid YAML: {exc}", Origin(file))]) from None
     if not isinstance(data, dict):
         kind = "empty" if data is None else type(data).__name__
@@ -143,12 +169,17 @@ def _load_with_extends(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict[
     if not isinstance(base_ref, str) or not base_ref.strip():
         raise RecipeError([Problem("error", "extends", "must be the path of a base recipe", origin)])
     base_path = Path(os.path.normpath(path.parent / base_ref))
-    if base_path.resolve() in chain or base_path.resolve() == path.resolve():
+    try:
+        base_resolved, base_exists = base_path.resolve(), base_path.is_file()
+    except (OSError, ValueError) as exc:
+        raise RecipeError([Problem("error", "extends", f"cannot use base recipe {base_ref!r}: {exc}", origin,
+                                   "extends is the path of a base recipe, relative to this file")]) from None
+    if base_resolved in chain or base_resolved == path.resolve():
         raise RecipeError([Problem("error", "extends", f"circular extends: {base_ref}", origin,
                                    "a recipe cannot extend itself or one of the recipes that extend it")])
     if len(chain) >= _MAX_EXTENDS_DEPTH:
         raise RecipeError([Problem("error", "extends", "extends chain too deep", origin)])
-    if not base_path.is_file():
+    if not base_exists:
         raise RecipeError([Problem("error", "extends", f"base recipe {base_ref!r} not found "
                                    f"(looked for {base_path})", origin,
                                    "extends is relative to the recipe that names it")])
@@ -174,6 +205,9 @@ def parse_override(item: str) -> tuple[Path_, Any]:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
+    except Exception as exc:  # noqa: BLE001 - huge ints, deep nesting, malformed tags (`!!timestamp x`)
+        raise RecipeError([Problem("error", key, f"cannot read the value of --set {key}: {exc}",
+                                   Origin(f"--set {key}"), "write a plain scalar, e.g. 64, true or fp8")]) from None
     return tuple(key.split(".")), value
 
 
@@ -187,14 +221,16 @@ def apply_overrides(data: dict, origins: dict[Path_, Origin], overrides: Iterabl
             problems.extend(exc.problems)
             continue
         node = data
-        for part in path[:-1]:
+        origin = Origin(f"--set {'.'.join(path)}")
+        for i, part in enumerate(path[:-1]):
             nxt = node.get(part)
             if not isinstance(nxt, dict):
                 nxt = {}
                 node[part] = nxt
+                origins[path[: i + 1]] = origin  # created (or replaced a scalar): errors there are this --set's
             node = nxt
         node[path[-1]] = value
-        origins[path] = Origin(f"--set {'.'.join(path)}")
+        origins[path] = origin
     if problems:
         raise RecipeError(problems)
     return data

@@ -1,0 +1,271 @@
+"""The CLI foundation: validate / show / ls / new, exit codes (0 ok, 2 bad input) and error output.
+
+Run in-process with click's CliRunner (fast); one test runs the installed `kiln` executable to prove a real
+process prints no traceback.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import CONFIGS, recipe_id, shipped_recipes
+
+from kiln.recipe.loader import load_recipe, recipe_from_dict
+from kiln.recipe.schema import Recipe
+
+FP8 = CONFIGS / "llama-3.1-8b" / "fp8.yaml"
+TINY = CONFIGS / "tiny-llama.yaml"
+
+THREE_MISTAKES = """\
+# a recipe with three mistakes
+name: three-mistakes
+target: reference
+quantization:
+  format: int4_awq
+  calibration:
+    samples: 32
+    sampels: 16
+build:
+  max_input_len: 512
+  max_seq_len: 128
+serving:
+  batching: inflight
+"""
+
+
+def resolved(recipe: Recipe) -> dict:
+    """A recipe's content without `extends` (which `kiln show` leaves out: its output is fully resolved)."""
+    return recipe.model_dump(exclude={"extends"})
+
+
+def assert_bad_input(result) -> None:
+    """Exit 2 from kiln's own error handling: a message, no traceback, no escaped exception."""
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in result.output
+    assert "error" in result.output
+
+
+# --------------------------------------------------------------------------------------- shipped recipes
+
+
+@pytest.mark.parametrize("path", shipped_recipes(), ids=recipe_id)
+def test_validate_every_shipped_recipe(kiln, path: Path):
+    result = kiln("validate", path)
+    assert result.exit_code == 0, result.output
+    assert f"{path}: ok — {load_recipe(path).recipe.name}" in result.stdout
+
+
+def test_ls_lists_every_shipped_recipe(kiln, monkeypatch):
+    monkeypatch.delenv("KILN_CONFIGS", raising=False)
+    result = kiln("ls")
+    assert result.exit_code == 0, result.output
+    rows = result.stdout.splitlines()
+    expected = shipped_recipes()
+    assert len(rows) == len(expected)
+    for path, row in zip(expected, rows):
+        name = load_recipe(path).recipe.name
+        assert row.split()[:2] == [recipe_id(path), name], row
+
+
+def test_ls_recurses_skips_sweeps_and_flags_broken_recipes(kiln, monkeypatch, write_recipe, tmp_path):
+    write_recipe("name: top\ntarget: reference\n", "top.yaml")
+    write_recipe("name: deep\ntarget: reference\n", "a/b/deep.yaml")
+    write_recipe("name: broken\nbild: {}\n", "a/broken.yaml")
+    write_recipe("grid: {build.max_batch_size: [1, 2]}\n", "sweeps/grid.yaml")
+    monkeypatch.setenv("KILN_CONFIGS", str(tmp_path))
+    result = kiln("ls")
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line for line in result.stdout.splitlines()}
+    assert set(rows) == {"top.yaml", "a/b/deep.yaml", "a/broken.yaml"}
+    assert "1 problem(s)" in rows["a/broken.yaml"]
+
+
+@pytest.mark.parametrize("path", shipped_recipes(), ids=recipe_id)
+def test_show_loads_back_to_an_equal_recipe(kiln, path: Path):
+    result = kiln("show", path)
+    assert result.exit_code == 0, result.output
+    shown = recipe_from_dict(yaml.safe_load(result.stdout))
+    assert resolved(shown) == resolved(load_recipe(path).recipe)
+    assert shown.extends is None  # fully resolved: nothing left to inherit
+
+
+def test_show_doc_has_comments_and_still_loads_back(kiln):
+    plain = kiln("show", FP8).stdout
+    result = kiln("show", FP8, "--doc")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    comments = [line for line in lines[1:] if line.lstrip().startswith("# ")]
+    assert len(comments) > len(Recipe.model_fields)  # every field documented, nested ones too
+    # each field's description sits right above it
+    i = lines.index("  max_batch_size: 256")
+    assert lines[i - 1].lstrip().startswith("# ") and "sequences in flight" in " ".join(lines[i - 3:i])
+    assert not any(line.lstrip().startswith("# ") for line in plain.splitlines()[1:])
+    assert resolved(recipe_from_dict(yaml.safe_load(result.stdout))) == resolved(load_recipe(FP8).recipe)
+
+
+def test_show_applies_set_and_says_so(kiln):
+    result = kiln("show", FP8, "--set", "build.max_batch_size=64")
+    assert result.exit_code == 0, result.output
+    assert recipe_from_dict(yaml.safe_load(result.stdout)).build.max_batch_size == 64
+    assert "with --set build.max_batch_size=64" in result.stdout.splitlines()[0]
+    assert recipe_from_dict(yaml.safe_load(kiln("show", FP8).stdout)).build.max_batch_size == 256  # from the base
+
+
+def test_recipes_are_found_by_name(kiln):
+    result = kiln("show", "llama-3.1-8b-fp8")
+    assert result.exit_code == 0, result.output
+    assert recipe_from_dict(yaml.safe_load(result.stdout)).name == "llama-3.1-8b-fp8"
+
+
+# --------------------------------------------------------------------------------------- kiln new
+
+
+def test_new_copies_with_name_replaced_and_extends_repointed(kiln, tmp_path):
+    out = tmp_path / "tmp" / "x.yaml"
+    result = kiln("new", "my-fp8", "--from", FP8, "--out", out)
+    assert result.exit_code == 0, result.output
+    assert kiln("validate", out).exit_code == 0
+    text = out.read_text()
+    data = yaml.safe_load(text)
+    assert data["name"] == "my-fp8"
+    assert (out.parent / data["extends"]).resolve() == (CONFIGS / "base" / "llama-3.1-8b.yaml").resolve()
+    assert data["extends"] != yaml.safe_load(FP8.read_text())["extends"]  # re-pointed, not copied
+    copy, source = load_recipe(out).recipe, load_recipe(FP8).recipe
+    assert copy.name == "my-fp8"
+    assert resolved(copy) | {"name": None} == resolved(source) | {"name": None}
+
+
+def test_new_refuses_to_overwrite(kiln, tmp_path):
+    out = tmp_path / "x.yaml"
+    out.write_text("name: mine\n")
+    result = kiln("new", "copy", "--from", TINY, "--out", out)
+    assert_bad_input(result)
+    assert "already exists" in result.output
+    assert out.read_text() == "name: mine\n"
+
+
+def test_new_from_a_shipped_name_with_default_out(kiln, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = kiln("new", "my-tiny", "--from", "tiny-llama")
+    assert result.exit_code == 0, result.output
+    assert load_recipe(tmp_path / "my-tiny.yaml").recipe.name == "my-tiny"
+
+
+def test_new_repoints_extends_written_with_quotes_and_a_comment(kiln, write_recipe, tmp_path):
+    base = CONFIGS / "base" / "llama-3.1-8b.yaml"
+    src = write_recipe(f'extends: "{base}"   # the 8B base\nname: commented\n', "src/commented.yaml")
+    out = tmp_path / "elsewhere" / "deeper" / "c.yaml"
+    result = kiln("new", "copied", "--from", src, "--out", out)
+    assert result.exit_code == 0, result.output
+    assert (out.parent / yaml.safe_load(out.read_text())["extends"]).resolve() == base.resolve()
+
+
+@pytest.mark.parametrize("name", ["Bad Name", "UPPER", "_under", "a/b", ""])
+def test_new_rejects_bad_names(kiln, tmp_path, name):
+    out = tmp_path / "x.yaml"
+    assert_bad_input(kiln("new", name, "--from", TINY, "--out", out))
+    assert not out.exists()
+
+
+def test_new_reports_unwritable_out(kiln, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert_bad_input(kiln("new", "x", "--from", TINY, "--out", blocker / "x.yaml"))
+
+
+def test_new_from_missing_or_invalid_source(kiln, write_recipe, tmp_path):
+    assert_bad_input(kiln("new", "x", "--from", tmp_path / "absent.yaml", "--out", tmp_path / "a.yaml"))
+    bad = write_recipe("name: bad\nbild: {}\n")
+    assert_bad_input(kiln("new", "x", "--from", bad, "--out", tmp_path / "b.yaml"))
+    assert not (tmp_path / "a.yaml").exists() and not (tmp_path / "b.yaml").exists()
+
+
+# --------------------------------------------------------------------------------------- errors and exit codes
+
+
+def test_three_mistakes_in_one_run_with_file_line_and_key(kiln, write_recipe):
+    path = write_recipe(THREE_MISTAKES)
+    result = kiln("validate", path)
+    assert_bad_input(result)
+    out = result.output
+    assert f"{path}:8: error: quantization.calibration.sampels: unknown key" in out
+    assert "did you mean `samples`?" in out
+    assert f"{path}:13: error: serving.batching: 'inflight' is not allowed" in out
+    assert "did you mean `inflight_fused`?" in out
+    assert f"{path}:11: error: build.max_seq_len: max_seq_len (128) is less than max_input_len (512)" in out
+    assert "3 problems found" in out
+
+
+def test_three_mistakes_real_process_prints_no_traceback(write_recipe):
+    path = write_recipe(THREE_MISTAKES)
+    exe = Path(sys.executable).parent / "kiln"
+    proc = subprocess.run([str(exe), "validate", str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert proc.stderr.count(f"{path}:") == 3 and "3 problems found" in proc.stderr
+
+
+def test_fp8_on_a100_names_the_sm_and_gpus_that_have_it(kiln):
+    result = kiln("validate", FP8, "--set", "hardware.gpu=A100-80GB")
+    assert_bad_input(result)
+    out = result.output
+    assert "FP8 needs SM 89+ but A100-80GB is SM 80" in out
+    assert "H100-SXM" in out and "L40S" in out
+    assert "FP8 KV cache needs SM 89+" in out
+    assert kiln("validate", FP8, "--set", "hardware.gpu=H100-SXM").exit_code == 0
+
+
+def test_bad_set_value_names_set_as_origin(kiln):
+    result = kiln("validate", TINY, "--set", "build.max_batch_size=lots")
+    assert_bad_input(result)
+    assert "--set build.max_batch_size: error: build.max_batch_size: Input should be a valid integer" in result.output
+
+
+@pytest.mark.parametrize("item", ["build.max_batch_size", "=64", "build..max_batch_size=64"])
+def test_bad_set_syntax_exits_2(kiln, item):
+    result = kiln("validate", TINY, "--set", item)
+    assert_bad_input(result)
+    assert "bad --set" in result.output and "--set section.key=value" in result.output
+
+
+def test_strict_turns_warnings_into_exit_2(kiln):
+    spec = CONFIGS / "speculative" / "target-llama-3.1-8b.yaml"
+    lenient = kiln("validate", spec)
+    assert lenient.exit_code == 0, lenient.output
+    assert "warning: build.max_seq_len" in lenient.output and "(1 warning)" in lenient.output
+    strict = kiln("validate", spec, "--strict")
+    assert_bad_input(strict)
+    assert "(--strict)" in strict.output
+    # a recipe without warnings passes --strict
+    assert kiln("validate", TINY, "--strict").exit_code == 0
+    assert kiln("validate", TINY, "--set", "quantization.kv_cache=fp8").exit_code == 0
+    assert_bad_input(kiln("validate", TINY, "--set", "quantization.kv_cache=fp8", "--strict"))
+
+
+@pytest.mark.parametrize("text", ["", "- a list\n", "name: x\nmodel: !!python/object/apply:os.getcwd []\n",
+                                  "name: [unclosed\n", "name: ok\nbuild: &a {x: *a}\n"])
+def test_malformed_files_exit_2_without_traceback(kiln, write_recipe, text):
+    assert_bad_input(kiln("validate", write_recipe(text)))
+
+
+def test_missing_file_exits_2(kiln, tmp_path):
+    result = kiln("validate", tmp_path / "nope.yaml")
+    assert_bad_input(result)
+    assert "recipe file not found" in result.output
+
+
+def test_debug_shows_the_traceback(kiln, tmp_path):
+    result = kiln("--debug", "validate", tmp_path / "nope.yaml")
+    assert result.exit_code == 2
+    assert "Traceback" in result.output and "recipe file not found" in result.output
+
+
+def test_show_reports_errors_like_validate(kiln, write_recipe):
+    result = kiln("show", write_recipe(THREE_MISTAKES))
+    assert_bad_input(result)
+    assert "3 problems found" in result.output
