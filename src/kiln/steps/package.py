@@ -105,6 +105,18 @@ def _write_deploy(ctx: StepContext, info: dict) -> Optional[Path]:
     return final
 
 
+def _sources_hash(loaded: LoadedRecipe) -> dict[str, str]:
+    """The Python models kiln ships into repositories are inputs of the package step."""
+    import hashlib
+
+    from kiln.triton.repository import models_source
+
+    h = hashlib.sha256()
+    for p in sorted(models_source().rglob("*.py")):
+        h.update(p.relative_to(models_source()).as_posix().encode() + p.read_bytes())
+    return {"triton_models": h.hexdigest()}
+
+
 def _output_dir(loaded: LoadedRecipe, repo_root: Path) -> Path:
     return repo_root / loaded.recipe.name
 
@@ -115,6 +127,7 @@ SPEC = StepSpec(
     keys=("serving", "build", "target", "model.dtype", "hardware.gpus_per_node", "parallelism"),
     after=("resolve", "quantize", "evaluate", "build"),
     tools=("tritonclient",),
+    input_hashes=_sources_hash,
     output_dir=_output_dir,
     files_checked=("kiln.json",),
 )
