@@ -88,10 +88,19 @@ def _kill_when(proc: subprocess.Popen, predicate, timeout: float = 300) -> None:
     raise AssertionError("the build never reached the point to kill it at")
 
 
+@pytest.fixture(scope="module")
+def clean_quantize(tmp_path_factory) -> dict[str, object]:
+    """The quantize output of an uninterrupted build, to compare resumed builds against."""
+    clean = tmp_path_factory.mktemp("clean")
+    assert kiln("build", RECIPE, *FAST, "--quiet", "--to", "quantize", cwd=clean).returncode == 0
+    return digests(clean / "build" / "tiny-llama" / "quantize")
+
+
 @pytest.mark.parametrize("when", ["calibration", "export"])
-def test_sigkill_leaves_nothing_a_later_run_accepts(tmp_path, when):
+def test_sigkill_leaves_nothing_a_later_run_accepts(tmp_path, when, clean_quantize):
     build = tmp_path / "build" / "tiny-llama"
-    proc = subprocess.Popen([sys.executable, "-m", "kiln", "build", RECIPE, *FAST, "--quiet"], cwd=tmp_path,
+    proc = subprocess.Popen([sys.executable, "-m", "kiln", "build", RECIPE, *FAST, "--quiet", "--to", "quantize"],
+                            cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def tmp_dirs():
@@ -102,15 +111,12 @@ def test_sigkill_leaves_nothing_a_later_run_accepts(tmp_path, when):
     else:  # once the exported checkpoint starts appearing in the temp dir
         _kill_when(proc, lambda: any((d / "checkpoint").exists() for d in tmp_dirs()))
     assert not (build / "quantize" / "manifest.json").exists()
-    resumed = kiln("build", RECIPE, *FAST, "--json", "--quiet", cwd=tmp_path)
+    resumed = kiln("build", RECIPE, *FAST, "--json", "--quiet", "--to", "quantize", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     statuses = {s["name"]: s["status"] for s in json.loads(resumed.stdout)["steps"]}
     assert statuses["quantize"] == "ran"  # the half-written output was not accepted
     assert not list(build.glob(".quantize.tmp-*"))
-    clean = tmp_path / "clean"
-    clean.mkdir()
-    assert kiln("build", RECIPE, *FAST, "--quiet", cwd=clean).returncode == 0
-    assert digests(build / "quantize") == digests(clean / "build" / "tiny-llama" / "quantize")
+    assert digests(build / "quantize") == clean_quantize
 
 
 def test_two_simultaneous_builds_make_one_set_of_artifacts(tmp_path):
