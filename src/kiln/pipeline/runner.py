@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import socket
 import time
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from kiln.pipeline.registry import STEP_ORDER, load_steps
 from kiln.recipe.loader import LoadedRecipe
 from kiln.recipe.render import recipe_yaml
 from kiln.steps.base import StepContext, StepSpec
-from kiln.util.artifacts import atomic_dir, read_manifest, sweep_leftovers, write_manifest
+from kiln.util.artifacts import atomic_dir, link_tree, read_manifest, sweep_leftovers, write_manifest
 from kiln.util.errors import InputError, KilnError
 
 
@@ -196,20 +195,6 @@ def find_reusable(p: PlannedStep, layout: Layout) -> Optional[Path]:
     return None
 
 
-def _link_tree(src: Path, dst: Path) -> None:
-    """Copy a complete output by hard links (no extra disk for large checkpoints); plain copy across devices."""
-    for path in sorted(src.rglob("*")):
-        target = dst / path.relative_to(src)
-        if path.is_dir():
-            target.mkdir(parents=True, exist_ok=True)
-        elif path.name != "manifest.json":
-            target.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(path, target)
-            except OSError:
-                shutil.copy2(path, target)
-
-
 def _lock(build_dir: Path, console: Console) -> FileLock:
     build_dir.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(build_dir / ".lock"))
@@ -260,7 +245,7 @@ def run(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_step: Op
             try:
                 with atomic_dir(p.out_dir) as tmp:
                     if reuse is not None:
-                        _link_tree(reuse, tmp)
+                        link_tree(reuse, tmp, skip=("manifest.json",))
                         result = {**(read_manifest(reuse) or {}).get("result", {}), "reused_from": str(reuse)}
                     else:
                         ctx = StepContext(loaded, tmp, dict(inputs), dict(results), console, progress, p.out_dir,

@@ -7,43 +7,17 @@ resolved recipe next to the outputs.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Optional
 
+from kiln.models.loading import model_source_hash
 from kiln.recipe.errors import Problem
 from kiln.recipe.loader import LoadedRecipe
 from kiln.recipe.render import recipe_yaml
 from kiln.recipe.schema import BUILTIN_PREFIX, HF_PREFIX
 from kiln.steps.base import StepContext, StepSpec, step_result
 from kiln.util.errors import InputError
-
-
-def source_identity(source: str) -> str:
-    """A cheap identity of a model source for fingerprints: the builtin's build key, the hub id@revision, or
-    for a local directory a hash of its config/tokenizer bytes and of its weight files' names, sizes, mtimes."""
-    if source.startswith(BUILTIN_PREFIX):
-        from kiln.models.tiny import tiny_llama_key
-
-        return f"{source}#{tiny_llama_key()}"
-    if source.startswith(HF_PREFIX):
-        return source
-    root = Path(source)
-    if not root.is_dir():
-        return f"missing:{source}"
-    h = hashlib.sha256()
-    for p in sorted(root.rglob("*")):
-        if not p.is_file():
-            continue
-        rel = str(p.relative_to(root))
-        h.update(rel.encode())
-        if p.suffix in (".json", ".txt", ".model", ".py"):
-            h.update(p.read_bytes())
-        else:
-            st = p.stat()
-            h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
-    return f"dir:{h.hexdigest()}"
 
 
 def model_config(loaded: LoadedRecipe) -> Optional[dict]:
@@ -148,6 +122,6 @@ SPEC = StepSpec(
     name="resolve",
     fn=resolve,
     keys=("model", "build.max_seq_len", "build.max_input_len", "hardware", "target"),
-    input_hashes=lambda loaded: {"model": source_identity(loaded.recipe.model.source)},
+    input_hashes=lambda loaded: {"model": model_source_hash(loaded.recipe.model.source)},
     files_checked=("recipe.yaml", "resolved.json"),
 )

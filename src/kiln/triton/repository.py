@@ -20,7 +20,6 @@ Layout (`triton_repo/<recipe>/`):
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import dataclass, field
 from importlib import resources
@@ -31,9 +30,9 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from kiln.recipe.schema import Recipe
+from kiln.triton.lint import CONTAINER_MODEL_ROOT
 from kiln.triton.upstream import MODELS, TensorSpec, container_for
-
-CONTAINER_MODEL_ROOT = "/models"
+from kiln.util.artifacts import link_tree
 
 # kiln's Python models implement these tensors (see src/kiln/triton/models/*/model.py).
 PRE_INPUTS = ("QUERY", "REQUEST_OUTPUT_LEN", "BAD_WORDS_DICT", "STOP_WORDS_DICT", "END_ID", "PAD_ID")
@@ -287,20 +286,6 @@ def bls_config(r: Recipe, draft_name: Optional[str]):
 # ------------------------------------------------------------------------------------------------ writing
 
 
-def _copy_tree(src: Path, dst: Path) -> None:
-    """Hard-link (large engines and checkpoints cost no disk), copy across devices."""
-    for path in sorted(src.rglob("*")):
-        target = dst / path.relative_to(src)
-        if path.is_dir():
-            target.mkdir(parents=True, exist_ok=True)
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(path, target)
-        except OSError:
-            shutil.copy2(path, target)
-
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "tokenizer.model", "config.json")
 
@@ -353,11 +338,11 @@ def write_repository(inp: RepoInputs, out: Path, max_seq_len: int) -> dict[str, 
         config = trtllm_config(source.recipe, name, max_seq_len, cfg)
         d = out / name
         _write_config(d, config)
-        _copy_tree(source.engine_dir, d / "1" / "engine")
+        link_tree(source.engine_dir, d / "1" / "engine")
         if source.recipe.target == "reference":
             _python_model(src, "reference", d)
             assert source.checkpoint_dir is not None, "the reference target needs the quantized checkpoint"
-            _copy_tree(source.checkpoint_dir, d / "1" / "checkpoint")
+            link_tree(source.checkpoint_dir, d / "1" / "checkpoint")
         return config
 
     trt = write_llm("tensorrt_llm", inp)

@@ -87,6 +87,21 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def link_tree(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
+    """Copy a directory tree by hard links (no extra disk for large checkpoints and engines); plain copies
+    where links are impossible (another filesystem). File names in `skip` are left out."""
+    for path in sorted(src.rglob("*")):
+        target = dst / path.relative_to(src)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        elif path.name not in skip:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(path, target)
+            except OSError:
+                shutil.copy2(path, target)
+
+
 def _fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
