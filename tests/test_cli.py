@@ -248,7 +248,9 @@ def test_strict_turns_warnings_into_exit_2(kiln):
 
 
 @pytest.mark.parametrize("text", ["", "- a list\n", "name: x\nmodel: !!python/object/apply:os.getcwd []\n",
-                                  "name: [unclosed\n", "name: ok\nbuild: &a {x: *a}\n"])
+                                  "name: [unclosed\n", "name: ok\nbuild: &a {x: *a}\n", "name: !!timestamp x\n",
+                                  "name: x\nmodel: " + "[" * 700 + "]" * 700 + "\n"],
+                         ids=["empty", "list", "python-tag", "unclosed", "recursive-anchor", "bad-timestamp", "deep"])
 def test_malformed_files_exit_2_without_traceback(kiln, write_recipe, text):
     assert_bad_input(kiln("validate", write_recipe(text)))
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import pytest
 import yaml
 from conftest import CONFIGS
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
@@ -73,7 +73,8 @@ yamlish = st.lists(st.sampled_from(YAML_TOKENS), max_size=40).map("".join)
 DANGEROUS_TAGS = [
     "!!python/object/apply:os.system", "!!python/object/apply:subprocess.call", "!!python/object/new:os.system",
     "!!python/name:os.system", "!!python/module:os", "!!python/object:__main__.X",
-    "tag:yaml.org,2002:python/object/apply:os.system", "!python/object/apply:os.system", "!<!python/object/apply:os.system>",
+    "tag:yaml.org,2002:python/object/apply:os.system", "!python/object/apply:os.system",
+    "!<!python/object/apply:os.system>",
 ]
 
 
@@ -128,6 +129,10 @@ def test_mutated_recipe_loads_or_reports(tmp_path, mutations):
 
 @LOADER
 @given(text=st.one_of(yamlish, st.text(max_size=200)))
+@example(text="!!timestamp ")  # found by this test: PyYAML raised AttributeError
+@example(text="name: x\nbuild: &a {x: *a}\n")  # recursive anchor
+@example(text="name: x\nmodel: " + "[" * 700 + "]" * 700 + "\n")
+@example(text="name: x\nbuild:\n  max_batch_size: " + "9" * 5000 + "\n")
 def test_arbitrary_text_loads_or_reports(tmp_path, text):
     file = tmp_path / "text.yaml"
     file.write_text(text, encoding="utf-8", errors="surrogatepass")
@@ -193,6 +198,11 @@ def test_deeply_nested_structures_are_errors(tmp_path, depth, style, section):
     assert info.value.errors and all(p.message for p in info.value.problems)
 
 
+def flow(value: Any) -> str:
+    """A scalar as one line of YAML."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
+
+
 one_line_scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True),
                              st.sampled_from(["fp8", "a b", "'q'", "x: y", "# not a comment", ""]))
 
@@ -204,9 +214,8 @@ one_line_scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(
 def test_duplicate_keys_are_reported_with_the_second_line(tmp_path, section, key, first, second, gap):
     indent = "" if section is None else "  " * len(section.split("."))
     head = "" if section is None else "".join("  " * i + f"{part}:\n" for i, part in enumerate(section.split(".")))
-    dump = lambda v: yaml.safe_dump(v, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()  # noqa: E731
-    lines = ["name: dup"] + head.splitlines() + [f"{indent}{key}: {dump(first)}"] + \
-            [f"{indent}other{i}: 1" for i in range(gap)] + [f"{indent}{key}: {dump(second)}"]
+    lines = ["name: dup"] + head.splitlines() + [f"{indent}{key}: {flow(first)}"] + \
+            [f"{indent}other{i}: 1" for i in range(gap)] + [f"{indent}{key}: {flow(second)}"]
     file = tmp_path / "dup.yaml"
     file.write_text("\n".join(lines) + "\n", encoding="utf-8")
     dotted = key if section is None else f"{section}.{key}"
@@ -224,7 +233,9 @@ def _unwrap(ann: Any) -> Any:
 
 def _is_int_field(ann: Any) -> bool:
     ann = _unwrap(ann)
-    return ann is int or (typing.get_origin(ann) is typing.Union and any(_unwrap(a) is int for a in typing.get_args(ann)))
+    if typing.get_origin(ann) is typing.Union:
+        return any(_unwrap(a) is int for a in typing.get_args(ann))
+    return ann is int
 
 
 INT_LEAVES = sorted(path for path, ann in LEAVES.items() if _is_int_field(ann))
@@ -249,6 +260,10 @@ def test_huge_numbers_are_errors(tmp_path, path, number, digits):
 @given(item=st.one_of(st.text(max_size=40),
                       st.tuples(st.sampled_from([".".join(p) for p in sorted(LEAVES)]), yamlish | st.text(max_size=30))
                       .map(lambda kv: f"{kv[0]}={kv[1]}")))
+@example(item="name=!!timestamp")  # found by this test: PyYAML raised AttributeError
+@example(item="name=" + "[" * 700)
+@example(item="build.max_batch_size=" + "9" * 5000)
+@example(item="name.x=3")
 def test_arbitrary_set_items_load_or_report(item):
     try:
         load_recipe(TINY, [item])
@@ -349,6 +364,7 @@ def test_cli_mutated_recipe_exits_0_or_2(kiln, tmp_path, mutations):
               st.tuples(st.sampled_from([".".join(p) for p in sorted(LEAVES) if p != ("model", "source")]),
                         yamlish | st.text(max_size=20)).map(lambda kv: f"{kv[0]}={kv[1]}")),
     min_size=1, max_size=3), strict=st.booleans())
+@example(items=["name=!!timestamp"], strict=False)
 def test_cli_arbitrary_set_exits_0_or_2(kiln, tmp_path, items, strict):
     base = tmp_path / "hf-base.yaml"
     base.write_text(HF_BASE, encoding="utf-8")  # an hf: model: validate plans with the shipped config, no build
