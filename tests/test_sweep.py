@@ -28,15 +28,18 @@ def test_expand_is_the_product_minus_excludes_in_file_order():
 
 def test_invalid_axis_key_or_value_fails_before_any_work(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump({"base": str(configs_dir() / "tiny-llama.yaml"),
-                                   "axes": {"quantization.formt": ["int8_sq"], "quantization.kv_cache": ["none", "fp9"]}}))
+    bad.write_text(f"base: {configs_dir() / 'tiny-llama.yaml'}\n"
+                   "axes:\n"
+                   "  quantization.formt: [int8_sq]\n"
+                   "  quantization.kv_cache: [none, fp9]\n")
     layout = Layout(tmp_path / "build", tmp_path / "repo")
     with pytest.raises(RecipeError) as info:
         load_sweep(bad, layout)
     text = str(info.value)
     assert "quantization.formt" in text and "did you mean `format`" in text and "point 0" in text
     assert "'fp9' is not allowed" in text and "point 1" in text
-    assert f"{bad}:3" in text  # the axis line in the sweep file
+    assert f"{bad}:3: error: quantization.formt" in text  # each problem points at its axis line in the sweep file
+    assert f"{bad}:4: error: quantization.kv_cache" in text
     assert not (tmp_path / "build").exists()  # nothing ran
     result = CliRunner().invoke(cli, ["sweep", str(bad), "--build-dir", str(tmp_path / "b2")])
     assert result.exit_code == 2 and "Traceback" not in result.output
