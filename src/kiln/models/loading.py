@@ -271,17 +271,27 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 @contextlib.contextmanager
-def hf_progress_off() -> Iterator[None]:
-    """Silence transformers' own progress bars (kiln shows its own) for the duration."""
+def hf_progress(enabled: bool) -> Iterator[None]:
+    """Show or hide transformers' own progress bars (e.g. "Writing model shards") for the duration."""
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
+    if enabled:
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()
     try:
         yield
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
+        else:
+            hf_logging.disable_progress_bar()
+
+
+def hf_progress_off() -> contextlib.AbstractContextManager[None]:
+    """Silence transformers' own progress bars (kiln shows its own) for the duration."""
+    return hf_progress(False)
 
 
 def load_model(path: Path, dtype: str, trust_remote_code: bool = False) -> Any:

@@ -213,7 +213,9 @@ def build_tiny_llama(out_dir: pathlib.Path, progress: bool = True, recipe: TinyL
         blocks = _token_blocks(tokenizer, train_docs, recipe.seq_len)
         final_loss = _train(model, blocks, recipe, console if progress else None)
         heldout_ppl = _perplexity(model, tokenizer, heldout_texts(), recipe.max_position_embeddings)
-    with _transformers_progress(progress):
+    from kiln.models.loading import hf_progress
+
+    with hf_progress(progress):
         model.save_pretrained(out_dir)
 
     record = {
@@ -401,25 +403,6 @@ def _deterministic(seed: int, threads: int) -> Iterator[None]:
         finally:
             torch.use_deterministic_algorithms(old_deterministic, warn_only=old_warn_only)
             torch.set_num_threads(old_threads)
-
-
-@contextlib.contextmanager
-def _transformers_progress(enabled: bool) -> Iterator[None]:
-    """Show or hide transformers' own progress bars (e.g. "Writing model shards") for the duration."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    if enabled:
-        hf_logging.enable_progress_bar()
-    else:
-        hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-        else:
-            hf_logging.disable_progress_bar()
 
 
 def _make_readable(directory: pathlib.Path) -> None:
