@@ -1,5 +1,5 @@
 """In-flight batching on the CPU reference runtime: 16 concurrent streams against the same runtime limited to
-one request at a time (build.max_batch_size 1). Target: ≥ 4× requests/s.
+one request at a time (engine.max_batch_size 1). Target: ≥ 4× requests/s.
 
     .venv/bin/python benchmarks/inflight_batching.py [--duration 20] [--concurrency 16]
 """
@@ -36,7 +36,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-bench-ifb-") as d:
         cwd = Path(d)
         build(cwd)
-        build(cwd, "name=tiny-llama-one-at-a-time", "build.max_batch_size=1")  # quantize reused
+        build(cwd, "name=tiny-llama-one-at-a-time", "engine.max_batch_size=1")  # quantize reused
         batched = measure(cwd / "triton_repo" / "tiny-llama", args.concurrency, args.duration, args.output_len)
         single = measure(cwd / "triton_repo" / "tiny-llama-one-at-a-time", args.concurrency, args.duration,
                          args.output_len)

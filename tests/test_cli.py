@@ -29,7 +29,7 @@ quantization:
   calibration:
     samples: 32
     sampels: 16
-build:
+engine:
   max_input_len: 512
   max_seq_len: 128
 serving:
@@ -76,7 +76,7 @@ def test_ls_recurses_skips_sweeps_and_flags_broken_recipes(kiln, monkeypatch, wr
     write_recipe("name: top\ntarget: reference\n", "top.yaml")
     write_recipe("name: deep\ntarget: reference\n", "a/b/deep.yaml")
     write_recipe("name: broken\nbild: {}\n", "a/broken.yaml")
-    write_recipe("grid: {build.max_batch_size: [1, 2]}\n", "sweeps/grid.yaml")
+    write_recipe("grid: {engine.max_batch_size: [1, 2]}\n", "sweeps/grid.yaml")
     monkeypatch.setenv("KILN_CONFIGS", str(tmp_path))
     result = kiln("ls")
     assert result.exit_code == 0, result.output
@@ -109,11 +109,11 @@ def test_show_doc_has_comments_and_still_loads_back(kiln):
 
 
 def test_show_applies_set_and_says_so(kiln):
-    result = kiln("show", FP8, "--set", "build.max_batch_size=64")
+    result = kiln("show", FP8, "--set", "engine.max_batch_size=64")
     assert result.exit_code == 0, result.output
-    assert recipe_from_dict(yaml.safe_load(result.stdout)).build.max_batch_size == 64
-    assert "with --set build.max_batch_size=64" in result.stdout.splitlines()[0]
-    assert recipe_from_dict(yaml.safe_load(kiln("show", FP8).stdout)).build.max_batch_size == 256  # from the base
+    assert recipe_from_dict(yaml.safe_load(result.stdout)).engine.max_batch_size == 64
+    assert "with --set engine.max_batch_size=64" in result.stdout.splitlines()[0]
+    assert recipe_from_dict(yaml.safe_load(kiln("show", FP8).stdout)).engine.max_batch_size == 256  # from the base
 
 
 def test_recipes_are_found_by_name(kiln):
@@ -197,7 +197,7 @@ def test_three_mistakes_in_one_run_with_file_line_and_key(kiln, write_recipe):
     assert "did you mean `samples`?" in out
     assert f"{path}:13: error: serving.batching: 'inflight' is not allowed" in out
     assert "did you mean `inflight_fused`?" in out
-    assert f"{path}:11: error: build.max_seq_len: max_seq_len (128) is less than max_input_len (512)" in out
+    assert f"{path}:11: error: engine.max_seq_len: max_seq_len (128) is less than max_input_len (512)" in out
     assert "3 problems found" in out
 
 
@@ -221,12 +221,12 @@ def test_fp8_on_a100_names_the_sm_and_gpus_that_have_it(kiln):
 
 
 def test_bad_set_value_names_set_as_origin(kiln):
-    result = kiln("validate", TINY, "--set", "build.max_batch_size=lots")
+    result = kiln("validate", TINY, "--set", "engine.max_batch_size=lots")
     assert_bad_input(result)
-    assert "--set build.max_batch_size: error: build.max_batch_size: Input should be a valid integer" in result.output
+    assert "--set engine.max_batch_size: error: engine.max_batch_size: Input should be a valid integer" in result.output
 
 
-@pytest.mark.parametrize("item", ["build.max_batch_size", "=64", "build..max_batch_size=64"])
+@pytest.mark.parametrize("item", ["engine.max_batch_size", "=64", "build..max_batch_size=64"])
 def test_bad_set_syntax_exits_2(kiln, item):
     result = kiln("validate", TINY, "--set", item)
     assert_bad_input(result)
@@ -237,7 +237,7 @@ def test_strict_turns_warnings_into_exit_2(kiln):
     spec = CONFIGS / "speculative" / "target-llama-3.1-8b.yaml"
     lenient = kiln("validate", spec)
     assert lenient.exit_code == 0, lenient.output
-    assert "warning: build.max_seq_len" in lenient.output and "(1 warning)" in lenient.output
+    assert "warning: engine.max_seq_len" in lenient.output and "(1 warning)" in lenient.output
     strict = kiln("validate", spec, "--strict")
     assert_bad_input(strict)
     assert "(--strict)" in strict.output
@@ -248,7 +248,7 @@ def test_strict_turns_warnings_into_exit_2(kiln):
 
 
 @pytest.mark.parametrize("text", ["", "- a list\n", "name: x\nmodel: !!python/object/apply:os.getcwd []\n",
-                                  "name: [unclosed\n", "name: ok\nbuild: &a {x: *a}\n", "name: !!timestamp x\n",
+                                  "name: [unclosed\n", "name: ok\nengine: &a {x: *a}\n", "name: !!timestamp x\n",
                                   "name: x\nmodel: " + "[" * 700 + "]" * 700 + "\n"],
                          ids=["empty", "list", "python-tag", "unclosed", "recursive-anchor", "bad-timestamp", "deep"])
 def test_malformed_files_exit_2_without_traceback(kiln, write_recipe, text):

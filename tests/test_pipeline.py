@@ -41,8 +41,8 @@ SPECS = {
     "evaluate": StepSpec("evaluate", _writer("evaluate"), keys=("evaluation",),
                          ignore=("evaluation.max_ppl_increase_pct", "evaluation.max_kl"), after=("quantize",),
                          check=_gate),
-    "build": StepSpec("build", _writer("build"), keys=("build",), after=("quantize",)),
-    "package": StepSpec("package", _writer("package"), keys=("serving", "build"), after=("build", "evaluate"),
+    "engine": StepSpec("engine", _writer("engine"), keys=("engine",), after=("quantize",)),
+    "package": StepSpec("package", _writer("package"), keys=("serving", "engine"), after=("engine", "evaluate"),
                         output_dir=lambda loaded, root: root / loaded.recipe.name),
 }
 
@@ -97,7 +97,7 @@ def test_calibration_change_reruns_quantize_and_everything_after(recipe_file, la
     build(recipe_file, layout)
     CALLS.clear()
     build(recipe_file, layout, "quantization.calibration.samples=64")
-    assert CALLS == ["quantize", "evaluate", "build", "package"]
+    assert CALLS == ["quantize", "evaluate", "engine", "package"]
 
 
 def test_serving_change_reruns_only_package(recipe_file, layout):
@@ -112,7 +112,7 @@ def test_gate_threshold_change_rechecks_without_recomputing(recipe_file, layout)
     CALLS.clear()
     s = build(recipe_file, layout, "evaluation.max_kl=0.0")
     assert CALLS == [] and s.failure is not None and "gate failed" in str(s.failure)
-    assert statuses(s)["build"] == "not run"
+    assert statuses(s)["engine"] == "not run"
 
 
 def test_force_reruns_all(recipe_file, layout):
@@ -128,8 +128,8 @@ def test_from_and_to(recipe_file, layout):
     CALLS.clear()
     build(recipe_file, layout)
     CALLS.clear()
-    build(recipe_file, layout, from_step="build")
-    assert CALLS == ["build", "package"]
+    build(recipe_file, layout, from_step="engine")
+    assert CALLS == ["engine", "package"]
     CALLS.clear()
     build(recipe_file, layout, from_step="evaluate", to_step="evaluate")
     assert CALLS == ["evaluate"]
@@ -139,7 +139,7 @@ def test_from_refuses_stale_upstream(recipe_file, layout):
     build(recipe_file, layout)
     loaded = load_recipe(recipe_file, ["quantization.format=fp8"])
     with pytest.raises(InputError, match="quantize is out of date"):
-        runner.plan(loaded, layout, from_step="evaluate")
+        runner.schedule(loaded, layout, from_step="evaluate")
 
 
 def test_bad_step_names(recipe_file, layout):
@@ -154,14 +154,14 @@ def test_dry_run_explains_which_field_changed(recipe_file, layout, capsys):
 
     build(recipe_file, layout)
     loaded = load_recipe(recipe_file, ["quantization.format=fp8"])
-    planned = runner.plan(loaded, layout)
+    planned = runner.schedule(loaded, layout)
     assert [p.action for p in planned] == ["skip", "run", "run", "run", "run"]
     assert any("quantization.format: int8_sq → fp8" in r for r in planned[1].reasons)
     assert any("upstream quantize" in r for r in planned[2].reasons)
-    runner.describe_plan(planned, loaded, Console(width=200))
+    runner.describe_schedule(planned, loaded, Console(width=200))
     out = capsys.readouterr().out
     assert "skip" in out and "quantization.format: int8_sq → fp8" in out
-    assert CALLS == ["resolve", "quantize", "evaluate", "build", "package"]  # only the first build ran anything
+    assert CALLS == ["resolve", "quantize", "evaluate", "engine", "package"]  # only the first build ran anything
 
 
 def test_failed_step_leaves_previous_complete_output(recipe_file, layout):

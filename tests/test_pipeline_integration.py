@@ -71,7 +71,7 @@ def test_unchanged_rebuild_runs_nothing_and_serving_change_only_packages(tmp_pat
     serving = kiln("build", RECIPE, *FAST, "--set", "serving.max_queue_delay_microseconds=100", "--json", "--quiet",
                    cwd=tmp_path)
     statuses = {s["name"]: s["status"] for s in json.loads(serving.stdout)["steps"]}
-    assert statuses == {"resolve": "skipped", "quantize": "skipped", "evaluate": "skipped", "build": "skipped",
+    assert statuses == {"resolve": "skipped", "quantize": "skipped", "evaluate": "skipped", "engine": "skipped",
                         "package": "ran"}
     dry = kiln("build", RECIPE, *FAST, "--set", "quantization.calibration.seed=7", "--dry-run", cwd=tmp_path)
     assert "quantization.calibration.seed: 1234 → 7" in dry.stdout and "skip resolve" in dry.stdout.replace("  ", " ")
@@ -142,8 +142,8 @@ def test_tensorrt_recipe_stops_at_the_engine_step_after_quantizing(tmp_path):
     assert run.returncode == 1
     steps = {s["name"]: s for s in json.loads(run.stdout)["steps"]}
     assert steps["quantize"]["status"] == "ran" and steps["evaluate"]["status"] == "ran"
-    assert steps["build"]["status"] == "failed" and steps["package"]["status"] == "not run"
-    message = steps["build"]["message"]
+    assert steps["engine"]["status"] == "failed" and steps["package"]["status"] == "not run"
+    message = steps["engine"]["message"]
     assert "TensorRT-LLM is not installed" in message or "no CUDA device" in message
     assert "target: reference" in message and "Traceback" not in run.stderr
     ckpt = json.loads((tmp_path / "build" / "tiny-trt" / "quantize" / "trtllm_checkpoint" / "config.json").read_text())

@@ -88,7 +88,7 @@ name: three-mistakes
 target: reference
 quantization:
   formatt: int4_awq
-build:
+engine:
   max_input_len: 512
   max_seq_len: 256
   kv_cache_type: pagd
@@ -102,25 +102,25 @@ def test_three_mistakes_reported_together_with_line_and_key(write_recipe):
     problems = info.value.problems
     assert len(problems) == 3, [p.format() for p in problems]
     by_key = {p.key: p for p in problems}
-    assert set(by_key) == {"quantization.formatt", "build.kv_cache_type", "build.max_seq_len"}
+    assert set(by_key) == {"quantization.formatt", "engine.kv_cache_type", "engine.max_seq_len"}
     assert by_key["quantization.formatt"].origin.line == 4
     assert "unknown key" in by_key["quantization.formatt"].message
     assert "`format`" in by_key["quantization.formatt"].hint
-    assert by_key["build.kv_cache_type"].origin.line == 8
-    assert "'pagd'" in by_key["build.kv_cache_type"].message
-    assert "`paged`" in by_key["build.kv_cache_type"].hint
-    assert by_key["build.max_seq_len"].origin.line == 7
-    assert "less than max_input_len" in by_key["build.max_seq_len"].message
+    assert by_key["engine.kv_cache_type"].origin.line == 8
+    assert "'pagd'" in by_key["engine.kv_cache_type"].message
+    assert "`paged`" in by_key["engine.kv_cache_type"].hint
+    assert by_key["engine.max_seq_len"].origin.line == 7
+    assert "less than max_input_len" in by_key["engine.max_seq_len"].message
     assert all(p.origin.file == str(path) for p in problems)
     assert f"{path}:4: error: quantization.formatt" in str(info.value)
 
 
 def test_missing_name_and_wrong_types_are_errors(write_recipe):
-    path = write_recipe("target: reference\nbuild:\n  max_batch_size: '64'\n  context_fmha: 1\n")
+    path = write_recipe("target: reference\nengine:\n  max_batch_size: '64'\n  context_fmha: 1\n")
     errors, _ = findings(path)
-    assert sorted(keys(errors)) == ["build.context_fmha", "build.max_batch_size", "name"]
-    assert only(errors, "build.max_batch_size").origin.line == 3  # no coercion of '64' to 64
-    assert only(errors, "build.context_fmha").origin.line == 4  # nor of 1 to true
+    assert sorted(keys(errors)) == ["engine.context_fmha", "engine.max_batch_size", "name"]
+    assert only(errors, "engine.max_batch_size").origin.line == 3  # no coercion of '64' to 64
+    assert only(errors, "engine.context_fmha").origin.line == 4  # nor of 1 to true
     assert "required key is missing" in only(errors, "name").message
 
 
@@ -135,7 +135,7 @@ def test_bad_name_and_sources_are_errors(write_recipe):
 
 
 def test_yaml_syntax_error_names_the_line(write_recipe):
-    path = write_recipe("name: x\nbuild:\n  max_batch_size: [1, 2\n  max_input_len: 3\n")
+    path = write_recipe("name: x\nengine:\n  max_batch_size: [1, 2\n  max_input_len: 3\n")
     with pytest.raises(RecipeError) as info:
         load_recipe(path)
     (problem,) = info.value.problems
@@ -144,11 +144,11 @@ def test_yaml_syntax_error_names_the_line(write_recipe):
 
 
 def test_duplicate_keys_are_errors_with_the_second_line(write_recipe):
-    path = write_recipe("name: dup\nbuild:\n  max_batch_size: 4\n  max_batch_size: 8\n")
+    path = write_recipe("name: dup\nengine:\n  max_batch_size: 4\n  max_batch_size: 8\n")
     with pytest.raises(RecipeError) as info:
         load_recipe(path)
     (problem,) = info.value.problems
-    assert (problem.key, problem.message, problem.origin.line) == ("build.max_batch_size", "duplicate key", 4)
+    assert (problem.key, problem.message, problem.origin.line) == ("engine.max_batch_size", "duplicate key", 4)
 
 
 def test_python_tags_are_refused_not_run(write_recipe, tmp_path):
@@ -180,7 +180,7 @@ def test_alias_bombs_and_recursive_anchors_are_refused_quickly(write_recipe):
     with pytest.raises(RecipeError, match="recipe too large"):
         load_recipe(write_recipe("\n".join(lines) + "\nname: x\n"))  # 10^9 values once expanded
     with pytest.raises(RecipeError, match="recipe too large"):
-        load_recipe(write_recipe("name: x\nbuild: &a {x: *a}\n", "recursive.yaml"))
+        load_recipe(write_recipe("name: x\nengine: &a {x: *a}\n", "recursive.yaml"))
 
 
 def test_strings_are_not_coerced_and_lists_become_tuples(write_recipe):
@@ -190,39 +190,39 @@ def test_strings_are_not_coerced_and_lists_become_tuples(write_recipe):
     assert r.quantization.exclude_modules == ("lm_head", "*.down_proj")
     assert r.serving.gpu_device_ids == (0, 1)
     with pytest.raises(Exception):
-        r.build.max_batch_size = 3  # frozen
+        r.engine.max_batch_size = 3  # frozen
 
 
 # --------------------------------------------------------------------------------------- extends and --set
 
 
 def test_precedence_cli_beats_file_beats_base_beats_defaults(write_recipe, tmp_path):
-    write_recipe("name: base\ndescription: the base\nbuild:\n  max_batch_size: 11\n  max_input_len: 22\n"
+    write_recipe("name: base\ndescription: the base\nengine:\n  max_batch_size: 11\n  max_input_len: 22\n"
                  "  max_num_tokens: 33\n", "bases/base.yaml")
-    child = write_recipe("extends: bases/base.yaml\nname: child\nbuild:\n  max_input_len: 44\n"
+    child = write_recipe("extends: bases/base.yaml\nname: child\nengine:\n  max_input_len: 44\n"
                          "  max_num_tokens: 55\n", "child.yaml")
-    loaded = load_recipe(child, ["build.max_num_tokens=66"])
-    b = loaded.recipe.build
+    loaded = load_recipe(child, ["engine.max_num_tokens=66"])
+    b = loaded.recipe.engine
     assert b.max_batch_size == 11  # base beats default (2048)
     assert b.max_input_len == 44  # file beats base
     assert b.max_num_tokens == 66  # --set beats file
-    assert b.max_beam_width == Recipe.model_fields["build"].default.max_beam_width == 1  # default
+    assert b.max_beam_width == Recipe.model_fields["engine"].default.max_beam_width == 1  # default
     assert loaded.recipe.name == "child" and loaded.recipe.description == ""  # name/description not inherited
-    assert str(loaded.origin_of("build.max_batch_size")) == f"{tmp_path / 'bases/base.yaml'}:4"
-    assert str(loaded.origin_of("build.max_input_len")) == f"{child}:4"
-    assert str(loaded.origin_of("build.max_num_tokens")) == "--set build.max_num_tokens"
-    assert loaded.user_set("build.max_batch_size") and not loaded.user_set("build.max_beam_width")
+    assert str(loaded.origin_of("engine.max_batch_size")) == f"{tmp_path / 'bases/base.yaml'}:4"
+    assert str(loaded.origin_of("engine.max_input_len")) == f"{child}:4"
+    assert str(loaded.origin_of("engine.max_num_tokens")) == "--set engine.max_num_tokens"
+    assert loaded.user_set("engine.max_batch_size") and not loaded.user_set("engine.max_beam_width")
     # without --set the file's value holds
-    assert load_recipe(child).recipe.build.max_num_tokens == 55
+    assert load_recipe(child).recipe.engine.max_num_tokens == 55
 
 
 def test_later_set_beats_earlier_set(base):
-    assert load_recipe(base, ["build.max_batch_size=4", "build.max_batch_size=8"]).recipe.build.max_batch_size == 8
+    assert load_recipe(base, ["engine.max_batch_size=4", "engine.max_batch_size=8"]).recipe.engine.max_batch_size == 8
 
 
 def test_set_values_are_yaml_scalars(base):
     r = load_recipe(base, ["serving.streaming=false", "quantization.exclude_modules=[lm_head, x]",
-                           "evaluation.max_kl=0.25", "evaluation.max_ppl_increase_pct=", "build.speculative.mode=none"
+                           "evaluation.max_kl=0.25", "evaluation.max_ppl_increase_pct=", "engine.speculative.mode=none"
                            ]).recipe
     assert r.serving.streaming is False
     assert r.quantization.exclude_modules == ("lm_head", "x")
@@ -231,9 +231,9 @@ def test_set_values_are_yaml_scalars(base):
 
 
 def test_set_values_are_validated_like_the_file(base):
-    errors, _ = findings(base, "build.max_batch_size=abc", "quantization.formt=fp8", "serving.batching=v2")
-    assert str(only(errors, "build.max_batch_size").origin) == "--set build.max_batch_size"
-    assert "valid integer" in only(errors, "build.max_batch_size").message
+    errors, _ = findings(base, "engine.max_batch_size=abc", "quantization.formt=fp8", "serving.batching=v2")
+    assert str(only(errors, "engine.max_batch_size").origin) == "--set engine.max_batch_size"
+    assert "valid integer" in only(errors, "engine.max_batch_size").message
     assert str(only(errors, "quantization.formt").origin) == "--set quantization.formt"
     assert "`format`" in only(errors, "quantization.formt").hint
     assert str(only(errors, "serving.batching").origin) == "--set serving.batching"
@@ -244,7 +244,7 @@ def test_set_through_a_scalar_is_blamed_on_the_set(base):
     assert str(only(errors, "name").origin) == "--set name.x"
 
 
-@pytest.mark.parametrize("item", ["build.max_batch_size", "=3", "build..max_batch_size=3", ".x=1", "x.=1", " =1"])
+@pytest.mark.parametrize("item", ["engine.max_batch_size", "=3", "build..max_batch_size=3", ".x=1", "x.=1", " =1"])
 def test_bad_set_syntax_is_an_error(base, item):
     with pytest.raises(RecipeError, match="bad --set"):
         load_recipe(base, [item])
@@ -281,8 +281,8 @@ def test_deep_merge_merges_mappings_and_replaces_the_rest():
 
 
 def test_read_yaml_records_the_line_of_every_key(write_recipe):
-    _, lines = read_yaml(write_recipe("name: x\n\nbuild:\n  # comment\n  max_batch_size: 4\n"))
-    assert lines[("name",)].line == 1 and lines[("build",)].line == 3 and lines[("build", "max_batch_size")].line == 5
+    _, lines = read_yaml(write_recipe("name: x\n\nengine:\n  # comment\n  max_batch_size: 4\n"))
+    assert lines[("name",)].line == 1 and lines[("engine",)].line == 3 and lines[("engine", "max_batch_size")].line == 5
 
 
 def test_recipe_from_dict_raises_recipe_error():
@@ -360,46 +360,46 @@ def test_rule_gpu_device_ids_cover_the_ranks(base):
 
 
 def test_rule_max_seq_len_below_max_input_len(base):
-    errors, _ = findings(base, "build.max_input_len=2048", "build.max_seq_len=1024")
-    assert "max_seq_len (1024) is less than max_input_len (2048)" in only(errors, "build.max_seq_len").message
-    assert findings(base, "build.max_input_len=2048", "build.max_seq_len=4096") == ([], [])
-    errors, warnings = findings(base, "build.max_input_len=2048", "build.max_seq_len=2048")
-    assert errors == [] and keys(warnings) == ["build.max_seq_len"]  # equal: allowed, but no room for output
+    errors, _ = findings(base, "engine.max_input_len=2048", "engine.max_seq_len=1024")
+    assert "max_seq_len (1024) is less than max_input_len (2048)" in only(errors, "engine.max_seq_len").message
+    assert findings(base, "engine.max_input_len=2048", "engine.max_seq_len=4096") == ([], [])
+    errors, warnings = findings(base, "engine.max_input_len=2048", "engine.max_seq_len=2048")
+    assert errors == [] and keys(warnings) == ["engine.max_seq_len"]  # equal: allowed, but no room for output
 
 
 def test_rule_max_num_tokens_below_max_input_len_needs_chunked_context(base):
-    errors, _ = findings(base, "build.max_input_len=4096", "build.max_num_tokens=2048")
-    problem = only(errors, "build.max_num_tokens")
+    errors, _ = findings(base, "engine.max_input_len=4096", "engine.max_num_tokens=2048")
+    problem = only(errors, "engine.max_num_tokens")
     assert "without chunked context" in problem.message and "enable_chunked_context" in problem.hint
-    assert findings(base, "build.max_input_len=4096", "build.max_num_tokens=2048",
+    assert findings(base, "engine.max_input_len=4096", "engine.max_num_tokens=2048",
                     "serving.enable_chunked_context=true") == ([], [])
-    assert findings(base, "build.max_input_len=2048", "build.max_num_tokens=2048") == ([], [])
+    assert findings(base, "engine.max_input_len=2048", "engine.max_num_tokens=2048") == ([], [])
 
 
 def test_rule_tokens_per_block_power_of_two(base):
-    errors, _ = findings(base, "build.tokens_per_block=48")
-    assert "48 is not a power of two" in only(errors, "build.tokens_per_block").message
+    errors, _ = findings(base, "engine.tokens_per_block=48")
+    assert "48 is not a power of two" in only(errors, "engine.tokens_per_block").message
     for n in (1, 16, 64, 128):
-        assert findings(base, f"build.tokens_per_block={n}") == ([], []), n
+        assert findings(base, f"engine.tokens_per_block={n}") == ([], []), n
 
 
 @pytest.mark.parametrize("feature", ["serving.enable_kv_cache_reuse", "serving.enable_chunked_context"])
 def test_rule_kv_reuse_and_chunked_context_need_paged_context_fmha(base, feature):
     off = ("serving.enable_kv_cache_reuse=false", "serving.enable_chunked_context=false")
-    errors, _ = findings(base, *off, f"{feature}=true", "build.use_paged_context_fmha=false")
+    errors, _ = findings(base, *off, f"{feature}=true", "engine.use_paged_context_fmha=false")
     assert "needs paged context FMHA" in only(errors, feature).message
-    errors, _ = findings(base, *off, f"{feature}=true", "build.context_fmha=false")
+    errors, _ = findings(base, *off, f"{feature}=true", "engine.context_fmha=false")
     assert only(errors, feature)
     assert findings(base, *off, f"{feature}=true") == ([], [])
-    assert findings(base, *off, "build.use_paged_context_fmha=false") == ([], [])
+    assert findings(base, *off, "engine.use_paged_context_fmha=false") == ([], [])
 
 
 def test_rule_inflight_batching_needs_paged_cache_and_packed_inputs(base):
-    errors, _ = findings(base, "build.kv_cache_type=continuous", "serving.enable_kv_cache_reuse=false")
-    assert "needs a paged KV cache" in only(errors, "build.kv_cache_type").message
-    errors, _ = findings(base, "build.remove_input_padding=false")
-    assert only(errors, "build.remove_input_padding")
-    assert findings(base, "build.kv_cache_type=continuous", "serving.enable_kv_cache_reuse=false",
+    errors, _ = findings(base, "engine.kv_cache_type=continuous", "serving.enable_kv_cache_reuse=false")
+    assert "needs a paged KV cache" in only(errors, "engine.kv_cache_type").message
+    errors, _ = findings(base, "engine.remove_input_padding=false")
+    assert only(errors, "engine.remove_input_padding")
+    assert findings(base, "engine.kv_cache_type=continuous", "serving.enable_kv_cache_reuse=false",
                     "serving.batching=v1") == ([], [])
 
 
@@ -407,7 +407,7 @@ def test_rule_int8_kv_cache_gives_warnings_not_errors(base):
     errors, warnings = findings(base, "quantization.kv_cache=int8", "serving.enable_chunked_context=true")
     assert errors == []
     assert set(keys(warnings)) == {"serving.enable_kv_cache_reuse", "serving.enable_chunked_context",
-                                   "build.use_paged_context_fmha"}
+                                   "engine.use_paged_context_fmha"}
     assert all(p.severity == "warning" for p in warnings)
     assert "turns paged context FMHA off" in only(warnings, "serving.enable_kv_cache_reuse").message
     assert findings(base, "quantization.kv_cache=none", "serving.enable_chunked_context=true") == ([], [])
@@ -415,35 +415,35 @@ def test_rule_int8_kv_cache_gives_warnings_not_errors(base):
 
 
 def test_rule_fp8_context_fmha_without_fp8_format_warns(base):
-    _, warnings = findings(base, "build.use_fp8_context_fmha=true")
-    assert keys(warnings) == ["build.use_fp8_context_fmha"]
-    assert findings(base, "build.use_fp8_context_fmha=true", "quantization.format=fp8",
+    _, warnings = findings(base, "engine.use_fp8_context_fmha=true")
+    assert keys(warnings) == ["engine.use_fp8_context_fmha"]
+    assert findings(base, "engine.use_fp8_context_fmha=true", "quantization.format=fp8",
                     "quantization.kv_cache=fp8") == ([], [])
 
 
-SPEC = ("build.speculative.mode=draft_tokens_external", "build.speculative.max_draft_len=4",
-        "build.speculative.draft_recipe=draft.yaml")
+SPEC = ("engine.speculative.mode=draft_tokens_external", "engine.speculative.max_draft_len=4",
+        "engine.speculative.draft_recipe=draft.yaml")
 
 
 def test_rule_speculative_valid_draft_target(base):
     assert findings(base, *SPEC) == ([], [])
-    errors, warnings = findings(base, *SPEC, "build.max_seq_len=2048")
+    errors, warnings = findings(base, *SPEC, "engine.max_seq_len=2048")
     assert errors == []
-    assert "engine max_seq_len will be 2052" in only(warnings, "build.max_seq_len").message
+    assert "engine max_seq_len will be 2052" in only(warnings, "engine.max_seq_len").message
 
 
 @pytest.mark.parametrize("sets, key, fragment", [
-    (("build.speculative.max_draft_len=4",), "build.speculative.max_draft_len", "speculative decoding is off"),
-    (("build.speculative.draft_recipe=d.yaml",), "build.speculative.draft_recipe", "speculative decoding is off"),
-    (SPEC[:1] + SPEC[2:], "build.speculative.max_draft_len", "needs max_draft_len ≥ 1"),
-    (SPEC[:2], "build.speculative.draft_recipe", "needs a draft model recipe"),
-    (("build.speculative.mode=medusa", "build.speculative.max_draft_len=63", "build.speculative.draft_recipe=d.yaml"),
-     "build.speculative.draft_recipe", "does not use a separate draft recipe"),
-    (SPEC + ("build.max_beam_width=2",), "build.max_beam_width", "max_beam_width: 1"),
-    (SPEC + ("build.use_paged_context_fmha=false", "serving.enable_kv_cache_reuse=false"),
-     "build.use_paged_context_fmha", "needs paged context FMHA"),
-    (("target=reference", "hardware.gpu=", "build.speculative.mode=eagle", "build.speculative.max_draft_len=63"),
-     "build.speculative.mode", "reference target supports only draft_tokens_external"),
+    (("engine.speculative.max_draft_len=4",), "engine.speculative.max_draft_len", "speculative decoding is off"),
+    (("engine.speculative.draft_recipe=d.yaml",), "engine.speculative.draft_recipe", "speculative decoding is off"),
+    (SPEC[:1] + SPEC[2:], "engine.speculative.max_draft_len", "needs max_draft_len ≥ 1"),
+    (SPEC[:2], "engine.speculative.draft_recipe", "needs a draft model recipe"),
+    (("engine.speculative.mode=medusa", "engine.speculative.max_draft_len=63", "engine.speculative.draft_recipe=d.yaml"),
+     "engine.speculative.draft_recipe", "does not use a separate draft recipe"),
+    (SPEC + ("engine.max_beam_width=2",), "engine.max_beam_width", "max_beam_width: 1"),
+    (SPEC + ("engine.use_paged_context_fmha=false", "serving.enable_kv_cache_reuse=false"),
+     "engine.use_paged_context_fmha", "needs paged context FMHA"),
+    (("target=reference", "hardware.gpu=", "engine.speculative.mode=eagle", "engine.speculative.max_draft_len=63"),
+     "engine.speculative.mode", "reference target supports only draft_tokens_external"),
 ])
 def test_rule_speculative_limits(base, sets, key, fragment):
     errors, _ = findings(base, *sets)
@@ -451,8 +451,8 @@ def test_rule_speculative_limits(base, sets, key, fragment):
 
 
 def test_rule_speculative_heads_on_tensorrt_and_beam_without_speculation(base):
-    assert findings(base, "build.speculative.mode=eagle", "build.speculative.max_draft_len=63")[0] == []
-    assert findings(base, "build.max_beam_width=4")[0] == []
+    assert findings(base, "engine.speculative.mode=eagle", "engine.speculative.max_draft_len=63")[0] == []
+    assert findings(base, "engine.max_beam_width=4")[0] == []
 
 
 def test_rule_nvfp4_on_reference_target(base):
@@ -496,24 +496,24 @@ def test_rule_errors_name_the_line_of_the_key(write_recipe):
 def test_schema_error_suppresses_misleading_rule_on_same_key(write_recipe):
     # a bad value is reported once (by the schema), not again by a rule reading the salvaged default
     # (the salvaged default max_num_tokens 8192 < max_input_len 10000 would otherwise fire the rule there)
-    errors, _ = findings(write_recipe(RULES_BASE), "build.max_input_len=10000", "build.max_num_tokens=lots")
-    assert keys(errors) == ["build.max_num_tokens"] and "valid integer" in errors[0].message
-    errors, _ = findings(write_recipe(RULES_BASE), "build.max_input_len=10000", "build.max_num_tokens=8192")
-    assert keys(errors) == ["build.max_num_tokens"] and "without chunked context" in errors[0].message
+    errors, _ = findings(write_recipe(RULES_BASE), "engine.max_input_len=10000", "engine.max_num_tokens=lots")
+    assert keys(errors) == ["engine.max_num_tokens"] and "valid integer" in errors[0].message
+    errors, _ = findings(write_recipe(RULES_BASE), "engine.max_input_len=10000", "engine.max_num_tokens=8192")
+    assert keys(errors) == ["engine.max_num_tokens"] and "without chunked context" in errors[0].message
 
 
 def test_warnings_and_errors_are_distinct_and_strict_promotes_warnings(base):
-    errors, warnings = findings(base, "build.use_fp8_context_fmha=true")
+    errors, warnings = findings(base, "engine.use_fp8_context_fmha=true")
     assert errors == [] and [p.severity for p in warnings] == ["warning"]
     with pytest.raises(RecipeError) as info:
-        load_recipe(base, ["build.use_fp8_context_fmha=true"], strict=True)
+        load_recipe(base, ["engine.use_fp8_context_fmha=true"], strict=True)
     (problem,) = info.value.problems
     assert problem.severity == "error" and problem.message.endswith("(--strict)")
-    assert problem.key == "build.use_fp8_context_fmha"
+    assert problem.key == "engine.use_fp8_context_fmha"
     load_recipe(base, strict=True)  # no warnings: strict changes nothing
 
 
 def test_check_rules_orders_errors_first():
-    r = recipe_from_dict({"name": "x", "build": {"use_fp8_context_fmha": True, "tokens_per_block": 48}})
+    r = recipe_from_dict({"name": "x", "engine": {"use_fp8_context_fmha": True, "tokens_per_block": 48}})
     assert [(p.severity, p.key) for p in check_rules(r)] == [
-        ("error", "build.tokens_per_block"), ("warning", "build.use_fp8_context_fmha")]
+        ("error", "engine.tokens_per_block"), ("warning", "engine.use_fp8_context_fmha")]

@@ -65,7 +65,7 @@ mutation = st.tuples(st.sampled_from(["set", "delete"]), key_paths, values)
 
 YAML_TOKENS = ["name:", " x", "\n", "  ", "- ", "[", "]", "{", "}", ": ", ",", "'", '"', "#", "? ", "---",
                "...", "%YAML 1.1\n", "\t", "&a ", "*a", "<<: ", "!!python/object/apply:os.system ['true']",
-               "!!binary ", "!!set ", "!!timestamp ", "build:", "quantization:", "format:", "max_batch_size:",
+               "!!binary ", "!!set ", "!!timestamp ", "engine:", "quantization:", "format:", "max_batch_size:",
                "tokens_per_block:", "extends:", " ../x.yaml", "99999999999999999999999", "1e400", ".nan", "-.inf",
                "0x1F", "0o17", "2001-12-14", "null", "true", "\x00", "\ufeff", "\u2028", "é"]
 yamlish = st.lists(st.sampled_from(YAML_TOKENS), max_size=40).map("".join)
@@ -130,9 +130,9 @@ def test_mutated_recipe_loads_or_reports(tmp_path, mutations):
 @LOADER
 @given(text=st.one_of(yamlish, st.text(max_size=200)))
 @example(text="!!timestamp ")  # found by this test: PyYAML raised AttributeError
-@example(text="name: x\nbuild: &a {x: *a}\n")  # recursive anchor
+@example(text="name: x\nengine: &a {x: *a}\n")  # recursive anchor
 @example(text="name: x\nmodel: " + "[" * 700 + "]" * 700 + "\n")
-@example(text="name: x\nbuild:\n  max_batch_size: " + "9" * 5000 + "\n")
+@example(text="name: x\nengine:\n  max_batch_size: " + "9" * 5000 + "\n")
 def test_arbitrary_text_loads_or_reports(tmp_path, text):
     file = tmp_path / "text.yaml"
     file.write_text(text, encoding="utf-8", errors="surrogatepass")
@@ -165,7 +165,7 @@ def test_python_tags_never_execute(tmp_path, tag, where):
     payload = f"{tag} ['touch {marker}']" if "name:" not in tag and "module" not in tag else tag
     text = {"root": f"{payload}\n",
             "section": f"name: x\nmodel: {payload}\n",
-            "value": f"name: x\nbuild:\n  max_batch_size: {payload}\n",
+            "value": f"name: x\nengine:\n  max_batch_size: {payload}\n",
             "key": f"name: x\n? {payload}\n: 1\n",
             "set": "name: x\n"}[where]
     file = tmp_path / "tagged.yaml"
@@ -180,7 +180,7 @@ def test_python_tags_never_execute(tmp_path, tag, where):
 @settings(LOADER, max_examples=30)  # big inputs: PyYAML's pure-Python scanner is quadratic in nesting
 @given(depth=st.one_of(st.integers(min_value=1, max_value=50), st.sampled_from([300, 520])),
        style=st.sampled_from(["flow_list", "flow_map", "block_map", "block_list"]),
-       section=st.sampled_from(["model", "build", "serving", "quantization"]))
+       section=st.sampled_from(["model", "engine", "serving", "quantization"]))
 def test_deeply_nested_structures_are_errors(tmp_path, depth, style, section):
     # past ~500 levels PyYAML's composer hits Python's recursion limit: that must be a RecipeError too
     if style == "flow_list":
@@ -208,7 +208,7 @@ one_line_scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(
 
 
 @LOADER
-@given(section=st.sampled_from([None, "build", "serving", "quantization.calibration"]),
+@given(section=st.sampled_from([None, "engine", "serving", "quantization.calibration"]),
        key=st.sampled_from(["max_batch_size", "streaming", "samples", "description", "zzz"]),
        first=one_line_scalars, second=one_line_scalars, gap=st.integers(min_value=0, max_value=3))
 def test_duplicate_keys_are_reported_with_the_second_line(tmp_path, section, key, first, second, gap):
@@ -262,7 +262,7 @@ def test_huge_numbers_are_errors(tmp_path, path, number, digits):
                       .map(lambda kv: f"{kv[0]}={kv[1]}")))
 @example(item="name=!!timestamp")  # found by this test: PyYAML raised AttributeError
 @example(item="name=" + "[" * 700)
-@example(item="build.max_batch_size=" + "9" * 5000)
+@example(item="engine.max_batch_size=" + "9" * 5000)
 @example(item="name.x=3")
 def test_arbitrary_set_items_load_or_report(item):
     try:

@@ -42,7 +42,7 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 
 def make_inputs(recipe, tmp: Path, tokenizer_dir: Path, version: str, recipe_path: Path | None = None) -> RepoInputs:
     """Stand-ins for what the pipeline hands the writer: an engine config made from the recipe, a checkpoint dir."""
-    seq = recipe.build.max_seq_len or 4096
+    seq = recipe.engine.max_seq_len or 4096
     tmp.mkdir(parents=True, exist_ok=True)
     engine = tmp / "engine"
     engine.mkdir(parents=True, exist_ok=True)
@@ -59,8 +59,8 @@ def make_inputs(recipe, tmp: Path, tokenizer_dir: Path, version: str, recipe_pat
     (ckpt / "config.json").write_text("{}")
     versions = {"tensorrt_llm": version, "tensorrt": "10.14.1.48"} if recipe.target == "tensorrt" else {}
     draft = None
-    if recipe.build.speculative.draft_recipe and recipe_path is not None:
-        draft_recipe = load_recipe(recipe_path.parent / recipe.build.speculative.draft_recipe).recipe
+    if recipe.engine.speculative.draft_recipe and recipe_path is not None:
+        draft_recipe = load_recipe(recipe_path.parent / recipe.engine.speculative.draft_recipe).recipe
         draft = make_inputs(draft_recipe, tmp / "draft", tokenizer_dir, version)
     return RepoInputs(recipe, tokenizer_dir, engine, ckpt, "fp", versions, draft)
 
@@ -70,7 +70,7 @@ def make_repo(recipe, tmp: Path, tokenizer_dir: Path, *, version: str = "1.2.1",
     inputs = make_inputs(recipe, tmp, tokenizer_dir, version, recipe_path)
     out = tmp / "repo" / recipe.name
     out.mkdir(parents=True)
-    write_repository(inputs, out, recipe.build.max_seq_len or 4096)
+    write_repository(inputs, out, recipe.engine.max_seq_len or 4096)
     return out
 
 
@@ -89,7 +89,7 @@ def test_every_shipped_recipe_packages_into_a_clean_repository(recipe_path, tmp_
                                                 "tensorrt_llm_bls"}
     for p in configs:
         cfg = parse(p)  # Triton's real schema; raises on unknown fields, bad enums, wrong types
-        assert cfg.name == p.parent.name and cfg.max_batch_size == recipe.build.max_batch_size
+        assert cfg.name == p.parent.name and cfg.max_batch_size == recipe.engine.max_batch_size
         assert "${" not in p.read_text()
     findings = lint_repository(repo)
     assert [f.format() for f in findings if f.severity == "error"] == []
@@ -111,7 +111,7 @@ def test_every_shipped_recipe_packages_into_a_clean_repository(recipe_path, tmp_
         assert {t.name for t in trt.input} == {t.name for t in MODELS["tensorrt_llm"].inputs}
     else:
         assert trt.backend == "python"
-    if recipe.build.speculative.mode == "draft_tokens_external":
+    if recipe.engine.speculative.mode == "draft_tokens_external":
         assert (repo / "tensorrt_llm_draft" / "config.pbtxt").is_file()
         bls = parse(repo / "tensorrt_llm_bls" / "config.pbtxt")
         assert bls.parameters["tensorrt_llm_draft_model_name"].string_value == "tensorrt_llm_draft"

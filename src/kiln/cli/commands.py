@@ -45,12 +45,12 @@ def layout_options(fn):
 
 def _run_build(recipe: str, overrides, strict, from_step, to_step, force, dry_run, build_dir, repo_dir,
                as_json: bool, quiet: bool) -> None:
-    from kiln.pipeline.runner import Layout, describe_plan, plan, render_summary, run, summary_json
+    from kiln.pipeline.runner import Layout, describe_schedule, render_summary, run, schedule, summary_json
 
     loaded = load(recipe, overrides, strict)
     layout = Layout(build_dir, repo_dir)
     if dry_run:
-        describe_plan(plan(loaded, layout, force, from_step, to_step), loaded, out)
+        describe_schedule(schedule(loaded, layout, force, from_step, to_step), loaded, out)
         return
     with stdout_to_stderr(as_json):  # libraries that print to stdout must not corrupt the JSON
         summary = run(loaded, layout, force, from_step, to_step, console=err, progress=not quiet)

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from rich.console import Console
 
 from kiln.pipeline.fingerprint import digest
-from kiln.pipeline.runner import Layout, plan, run
+from kiln.pipeline.runner import Layout, run, schedule
 from kiln.recipe.errors import Origin, Problem, RecipeError
 from kiln.recipe.loader import LoadedRecipe, load_recipe, read_yaml
 from kiln.util.errors import KilnError
@@ -203,7 +203,7 @@ def run_point(point: Point, loaded: LoadedRecipe, layout: Layout, spec: SweepFil
     record: dict[str, Any] = {"point": point.index, "label": point.label, "overrides": point.overrides,
                               "recipe": loaded.recipe.name, "status": "ok"}
     try:
-        steps = plan(loaded, layout, to_step=to_step)
+        steps = schedule(loaded, layout, to_step=to_step)
         record["fingerprint"] = digest({p.spec.name: p.fingerprint for p in steps if p.action != "outside"})
         summary = run(loaded, layout, to_step=to_step, console=Console(stderr=True, quiet=not progress),
                       progress=progress)

@@ -11,7 +11,7 @@ STEP_MODULES: dict[str, str] = {
     "resolve": "kiln.steps.resolve",
     "quantize": "kiln.steps.quantize",
     "evaluate": "kiln.steps.evaluate",
-    "build": "kiln.steps.engine",
+    "engine": "kiln.steps.engine",
     "package": "kiln.steps.package",
 }
 STEP_ORDER: tuple[str, ...] = tuple(STEP_MODULES)

@@ -1,4 +1,4 @@
-"""The runner: plan which steps to run (and why), run them under a lock into atomic outputs, summarise.
+"""The runner: schedule which steps to run (and why), run them under a lock into atomic outputs, summarise.
 
 `build/<recipe>/<step>/manifest.json` records each step's fingerprint components, the resolved recipe,
 timings and the host; a step is skipped only when its fingerprint matches a complete output.
@@ -46,7 +46,7 @@ class Layout:
 
 
 @dataclass
-class PlannedStep:
+class ScheduledStep:
     spec: StepSpec
     out_dir: Path
     components: dict[str, Any]
@@ -94,8 +94,8 @@ def _gpu_arch(loaded: LoadedRecipe) -> Optional[str]:
     return f"sm_{gpu.sm}" if gpu else None
 
 
-def plan(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_step: Optional[str] = None,
-         to_step: Optional[str] = None) -> list[PlannedStep]:
+def schedule(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_step: Optional[str] = None,
+         to_step: Optional[str] = None) -> list[ScheduledStep]:
     """Decide, for every step, whether it runs and why. Cheap: no heavy imports, no model loading."""
     for label, value in (("--from", from_step), ("--to", to_step)):
         if value is not None and value not in STEP_ORDER:
@@ -106,13 +106,13 @@ def plan(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_step: O
         raise InputError(f"--from {from_step} comes after --to {to_step}")
     specs = load_steps()
     arch = _gpu_arch(loaded)
-    planned: list[PlannedStep] = []
+    scheduled: list[ScheduledStep] = []
     fingerprints: dict[str, str] = {}
     rerun: set[str] = set()
     for index, name in enumerate(STEP_ORDER):
         spec = specs.get(name)
         if spec is None:
-            planned.append(PlannedStep(StepSpec(name, lambda ctx: {}, ()), Path("-"), {}, "", "pending",
+            scheduled.append(ScheduledStep(StepSpec(name, lambda ctx: {}, ()), Path("-"), {}, "", "pending",
                                        ["not built yet"]))
             continue
         out_dir = layout.step_dir(spec, loaded)
@@ -134,21 +134,21 @@ def plan(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_step: O
             action = "run" if reasons else "skip"
         if action == "run":
             rerun.add(name)
-        planned.append(PlannedStep(spec, out_dir, comps, fp, action, reasons, manifest))
+        scheduled.append(ScheduledStep(spec, out_dir, comps, fp, action, reasons, manifest))
     # Steps before --from are used as they are: they must be complete and current.
-    for p in planned[:first]:
-        if p.action == "outside" and p.reasons and p.spec.name in {q for s in planned[first:last + 1]
+    for p in scheduled[:first]:
+        if p.action == "outside" and p.reasons and p.spec.name in {q for s in scheduled[first:last + 1]
                                                                     for q in s.spec.after}:
             raise InputError(f"--from {from_step}: upstream step {p.spec.name} is "
                              f"{'missing' if p.manifest is None else 'out of date'} ({'; '.join(p.reasons)}); "
                              f"run without --from, or --from {p.spec.name}")
-    return planned
+    return scheduled
 
 
-def describe_plan(planned: list[PlannedStep], loaded: LoadedRecipe, console: Console) -> None:
+def describe_schedule(scheduled: list[ScheduledStep], loaded: LoadedRecipe, console: Console) -> None:
     """--dry-run: each step, run or skip and why, plus the step's own lines (e.g. the trtllm-build command)."""
-    console.print(f"[bold]plan for {loaded.recipe.name}[/] (target {loaded.recipe.target})")
-    for p in planned:
+    console.print(f"[bold]schedule for {loaded.recipe.name}[/] (target {loaded.recipe.target})")
+    for p in scheduled:
         mark = {"run": "[yellow]run [/]", "skip": "[green]skip[/]", "pending": "[dim]n/a [/]",
                 "outside": "[dim]--  [/]"}[p.action]
         why = "up to date" if p.action == "skip" else "; ".join(p.reasons) if p.reasons else "outside --from/--to"
@@ -160,7 +160,7 @@ def describe_plan(planned: list[PlannedStep], loaded: LoadedRecipe, console: Con
                 console.print(f"         {line}", markup=False, highlight=False)
 
 
-def _manifest(p: PlannedStep, loaded: LoadedRecipe, result: dict, started: float, seconds: float) -> dict:
+def _manifest(p: ScheduledStep, loaded: LoadedRecipe, result: dict, started: float, seconds: float) -> dict:
     return {
         "step": p.spec.name,
         "recipe": loaded.recipe.name,
@@ -177,7 +177,7 @@ def _manifest(p: PlannedStep, loaded: LoadedRecipe, result: dict, started: float
     }
 
 
-def find_reusable(p: PlannedStep, layout: Layout) -> Optional[Path]:
+def find_reusable(p: ScheduledStep, layout: Layout) -> Optional[Path]:
     """A complete output of the same step with the same fingerprint under another recipe's build dir.
 
     Fingerprints leave out the recipe name, so recipes (or sweep points) that differ only in keys a step does
@@ -212,15 +212,15 @@ def run(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_step: Op
     """Run the pipeline. Never raises for a step failure: the summary carries it (CLI maps it to an exit code)."""
     console = console or Console(stderr=True)
     t_start = time.monotonic()
-    plan(loaded, layout, force, from_step, to_step)  # argument errors before waiting on a lock
+    schedule(loaded, layout, force, from_step, to_step)  # argument errors before waiting on a lock
     lock = _lock(layout.build_dir(loaded.recipe.name), console)
     outcomes: list[StepOutcome] = []
     failure: Optional[KilnError] = None
     try:
-        planned = plan(loaded, layout, force, from_step, to_step)  # again: another build may have finished
+        scheduled = schedule(loaded, layout, force, from_step, to_step)  # again: another build may have finished
         inputs: dict[str, Path] = {}
         results: dict[str, dict] = {}
-        for p in planned:
+        for p in scheduled:
             name = p.spec.name
             if failure is not None:
                 outcomes.append(StepOutcome(name, "not run", out_dir=p.out_dir))
@@ -267,7 +267,7 @@ def run(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_step: Op
     return RunSummary(loaded.recipe.name, outcomes, failure, time.monotonic() - t_start)
 
 
-def _check(p: PlannedStep, loaded: LoadedRecipe, result: dict) -> Optional[KilnError]:
+def _check(p: ScheduledStep, loaded: LoadedRecipe, result: dict) -> Optional[KilnError]:
     if p.spec.check is None:
         return None
     message = p.spec.check(loaded.recipe, result)

@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from kiln.recipe.errors import Origin, Problem, RecipeError
-from kiln.recipe.schema import Recipe
+from kiln.recipe.schema import RENAMED_KEYS, Recipe
 
 Path_ = tuple[str, ...]
 _MAX_EXTENDS_DEPTH = 16
@@ -195,12 +195,12 @@ def _load_with_extends(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict[
 
 
 def parse_override(item: str) -> tuple[Path_, Any]:
-    """`build.max_batch_size=64` → (("build", "max_batch_size"), 64). Values are parsed as YAML scalars."""
+    """`engine.max_batch_size=64` → (("engine", "max_batch_size"), 64). Values are parsed as YAML scalars."""
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
         raise RecipeError([Problem("error", key, f"bad --set {item!r}", Origin("--set"),
-                                   "write --set section.key=value, e.g. --set build.max_batch_size=64")])
+                                   "write --set section.key=value, e.g. --set engine.max_batch_size=64")])
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError:
@@ -286,7 +286,9 @@ def _schema_problem(err: dict, origins: dict[Path_, Origin], file: str) -> Probl
     if etype == "extra_forbidden":
         parent = _model_at(loc[:-1])
         hint = ""
-        if parent is not None:
+        if key in RENAMED_KEYS:
+            hint = f"renamed: write `{RENAMED_KEYS[key]}` instead"
+        elif parent is not None:
             close = difflib.get_close_matches(loc[-1], list(parent.model_fields), n=1, cutoff=0.6)
             if close:
                 hint = f"did you mean `{close[0]}`?"

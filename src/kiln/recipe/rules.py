@@ -102,51 +102,51 @@ def gpu_count(r: Recipe) -> Iterator[Problem]:
 
 @rule
 def seq_limits(r: Recipe) -> Iterator[Problem]:
-    b = r.build
+    b = r.engine
     if b.max_seq_len is not None and b.max_seq_len < b.max_input_len:
-        yield err("build.max_seq_len", f"max_seq_len ({b.max_seq_len}) is less than max_input_len "
+        yield err("engine.max_seq_len", f"max_seq_len ({b.max_seq_len}) is less than max_input_len "
                   f"({b.max_input_len}): no room for a full prompt",
-                  f"set build.max_seq_len ≥ {b.max_input_len} (prompt + output tokens)")
+                  f"set engine.max_seq_len ≥ {b.max_input_len} (prompt + output tokens)")
     elif b.max_seq_len is not None and b.max_seq_len == b.max_input_len:
-        yield warn("build.max_seq_len", "max_seq_len equals max_input_len: a full-length prompt leaves no room "
-                   "for output tokens", "raise build.max_seq_len")
+        yield warn("engine.max_seq_len", "max_seq_len equals max_input_len: a full-length prompt leaves no room "
+                   "for output tokens", "raise engine.max_seq_len")
     if b.max_num_tokens < b.max_input_len and not r.serving.enable_chunked_context:
-        yield err("build.max_num_tokens", f"max_num_tokens ({b.max_num_tokens}) is less than max_input_len "
+        yield err("engine.max_num_tokens", f"max_num_tokens ({b.max_num_tokens}) is less than max_input_len "
                   f"({b.max_input_len}) without chunked context: the longest prompts can never be scheduled",
-                  f"raise build.max_num_tokens to ≥ {b.max_input_len} or set serving.enable_chunked_context: true")
+                  f"raise engine.max_num_tokens to ≥ {b.max_input_len} or set serving.enable_chunked_context: true")
     if b.tokens_per_block & (b.tokens_per_block - 1):
-        yield err("build.tokens_per_block", f"{b.tokens_per_block} is not a power of two",
+        yield err("engine.tokens_per_block", f"{b.tokens_per_block} is not a power of two",
                   "use 16, 32, 64 or 128")
 
 
 @rule
 def kv_features(r: Recipe) -> Iterator[Problem]:
-    b, s = r.build, r.serving
+    b, s = r.engine, r.serving
     paged = b.kv_cache_type == "paged"
     if s.batching == "inflight_fused" and not paged:
-        yield err("build.kv_cache_type", "in-flight batching needs a paged KV cache",
-                  "set build.kv_cache_type: paged, or serving.batching: v1")
+        yield err("engine.kv_cache_type", "in-flight batching needs a paged KV cache",
+                  "set engine.kv_cache_type: paged, or serving.batching: v1")
     if s.batching == "inflight_fused" and not b.remove_input_padding:
-        yield err("build.remove_input_padding", "in-flight batching needs packed inputs",
-                  "set build.remove_input_padding: true")
+        yield err("engine.remove_input_padding", "in-flight batching needs packed inputs",
+                  "set engine.remove_input_padding: true")
     int8_kv = r.quantization.kv_cache == "int8"
     for key, on in (("serving.enable_kv_cache_reuse", s.enable_kv_cache_reuse),
                     ("serving.enable_chunked_context", s.enable_chunked_context)):
         what = key.split(".")[1]
         if on and (not b.use_paged_context_fmha or not b.context_fmha or not paged):
             yield err(key, f"{what} needs paged context FMHA over a paged KV cache",
-                      "set build.use_paged_context_fmha: true (and context_fmha: true, kv_cache_type: paged), "
+                      "set engine.use_paged_context_fmha: true (and context_fmha: true, kv_cache_type: paged), "
                       f"or {key}: false")
         elif on and int8_kv:
             yield warn(key, f"an INT8 KV cache turns paged context FMHA off, so {what} will not take effect",
                        f"use quantization.kv_cache: fp8 (SM 89+) or none, or {key}: false")
     if int8_kv and b.use_paged_context_fmha and r.target == "tensorrt":
-        yield warn("build.use_paged_context_fmha", "TensorRT-LLM silently disables paged context FMHA with an "
+        yield warn("engine.use_paged_context_fmha", "TensorRT-LLM silently disables paged context FMHA with an "
                    "INT8 KV cache (no KV reuse, no chunked context)",
                    "use quantization.kv_cache: fp8 on SM 89+, or accept it")
     if b.use_fp8_context_fmha and r.quantization.format not in ("fp8", "w4a8_awq", "nvfp4"):
-        yield warn("build.use_fp8_context_fmha", "FP8 context FMHA only takes effect with an FP8 format "
-                   f"(format is {r.quantization.format})", "set build.use_fp8_context_fmha: false")
+        yield warn("engine.use_fp8_context_fmha", "FP8 context FMHA only takes effect with an FP8 format "
+                   f"(format is {r.quantization.format})", "set engine.use_fp8_context_fmha: false")
     if r.target == "reference" and r.quantization.kv_cache != "none":
         yield warn("quantization.kv_cache", "the reference runtime quantizes K/V with ModelOpt fake-quant but "
                    "stores its paged cache in the model dtype; the memory saving shows only on the tensorrt target")
@@ -154,34 +154,34 @@ def kv_features(r: Recipe) -> Iterator[Problem]:
 
 @rule
 def speculative(r: Recipe) -> Iterator[Problem]:
-    sp = r.build.speculative
+    sp = r.engine.speculative
     if sp.mode == "none":
         if sp.max_draft_len:
-            yield err("build.speculative.max_draft_len", "max_draft_len is set but speculative decoding is off",
-                      "set build.speculative.mode or max_draft_len: 0")
+            yield err("engine.speculative.max_draft_len", "max_draft_len is set but speculative decoding is off",
+                      "set engine.speculative.mode or max_draft_len: 0")
         if sp.draft_recipe:
-            yield err("build.speculative.draft_recipe", "a draft recipe is set but speculative decoding is off",
-                      "set build.speculative.mode: draft_tokens_external")
+            yield err("engine.speculative.draft_recipe", "a draft recipe is set but speculative decoding is off",
+                      "set engine.speculative.mode: draft_tokens_external")
         return
     if sp.max_draft_len < 1:
-        yield err("build.speculative.max_draft_len", f"speculative mode {sp.mode} needs max_draft_len ≥ 1",
+        yield err("engine.speculative.max_draft_len", f"speculative mode {sp.mode} needs max_draft_len ≥ 1",
                   "e.g. max_draft_len: 4 (draft+target) or 63 (medusa/eagle trees)")
     if sp.mode == "draft_tokens_external" and not sp.draft_recipe:
-        yield err("build.speculative.draft_recipe", "draft_tokens_external needs a draft model recipe",
-                  "set build.speculative.draft_recipe: <path to the draft recipe>")
+        yield err("engine.speculative.draft_recipe", "draft_tokens_external needs a draft model recipe",
+                  "set engine.speculative.draft_recipe: <path to the draft recipe>")
     if sp.mode != "draft_tokens_external" and sp.draft_recipe:
-        yield err("build.speculative.draft_recipe", f"mode {sp.mode} does not use a separate draft recipe",
+        yield err("engine.speculative.draft_recipe", f"mode {sp.mode} does not use a separate draft recipe",
                   "remove draft_recipe, or use mode: draft_tokens_external")
-    if r.build.max_beam_width != 1:
-        yield err("build.max_beam_width", "speculative decoding needs max_beam_width: 1")
+    if r.engine.max_beam_width != 1:
+        yield err("engine.max_beam_width", "speculative decoding needs max_beam_width: 1")
     if sp.mode in ("medusa", "eagle", "lookahead_decoding", "explicit_draft_tokens") and r.target == "reference":
-        yield err("build.speculative.mode", f"{sp.mode} needs its own trained heads in a TensorRT-LLM engine; "
+        yield err("engine.speculative.mode", f"{sp.mode} needs its own trained heads in a TensorRT-LLM engine; "
                   "the reference target supports only draft_tokens_external")
-    if sp.mode == "draft_tokens_external" and not r.build.use_paged_context_fmha:
-        yield err("build.use_paged_context_fmha", "draft_tokens_external needs paged context FMHA")
-    if r.build.max_seq_len is not None and sp.max_draft_len:
-        yield warn("build.max_seq_len", f"TensorRT-LLM adds max_draft_len ({sp.max_draft_len}) to max_seq_len "
-                   f"(engine max_seq_len will be {r.build.max_seq_len + sp.max_draft_len})")
+    if sp.mode == "draft_tokens_external" and not r.engine.use_paged_context_fmha:
+        yield err("engine.use_paged_context_fmha", "draft_tokens_external needs paged context FMHA")
+    if r.engine.max_seq_len is not None and sp.max_draft_len:
+        yield warn("engine.max_seq_len", f"TensorRT-LLM adds max_draft_len ({sp.max_draft_len}) to max_seq_len "
+                   f"(engine max_seq_len will be {r.engine.max_seq_len + sp.max_draft_len})")
 
 
 @rule

@@ -189,7 +189,7 @@ class SpeculativeSection(Section):
     """Recipe of the draft model (path), for `draft_tokens_external`."""
 
 
-class BuildSection(Section):
+class EngineSection(Section):
     max_batch_size: Annotated[int, Field(ge=1, le=65_536)] = 2048
     """Most sequences in flight at once (`--max_batch_size`)."""
 
@@ -345,8 +345,8 @@ class Recipe(Section):
     parallelism: ParallelismSection = ParallelismSection()
     """Multi-GPU split."""
 
-    build: BuildSection = BuildSection()
-    """Engine build limits and features."""
+    engine: EngineSection = EngineSection()
+    """Engine limits and features (what `trtllm-build` compiles in, and what the reference runtime runs with)."""
 
     serving: ServingSection = ServingSection()
     """Triton serving settings."""
@@ -363,3 +363,6 @@ class Recipe(Section):
 
 
 SECTIONS: tuple[str, ...] = tuple(Recipe.model_fields)
+
+#: Keys that were renamed, old dotted path → new one: recipes written for an older kiln get the new name as the fix.
+RENAMED_KEYS: dict[str, str] = {"build": "engine"}

@@ -28,7 +28,7 @@ from kiln.steps.base import StepContext, StepSpec, step_result
 from kiln.util.errors import KilnError
 
 CHECKPOINT_SUBDIR = "trtllm_checkpoint"  # inside the quantize step's output
-ENGINE_SUBDIR = "engine"
+ENGINE_SUBDIR = "trtllm_engine"
 REFERENCE_NOTE = ("target 'reference': no engine is compiled; the CPU reference runtime (PyTorch in a Triton "
                   "Python model, tensorrt_llm tensor contract) serves the quantized checkpoint — a test and "
                   "development vehicle, not the fast path")
@@ -43,13 +43,13 @@ def _on_off(flag: bool) -> str:
 
 def engine_max_seq_len(recipe: Recipe, resolved_max_seq_len: Optional[int]) -> Optional[int]:
     """max_seq_len the engine will report: the recipe's (or the model's) plus max_draft_len (upstream adds it)."""
-    base = recipe.build.max_seq_len or resolved_max_seq_len
-    return None if base is None else base + recipe.build.speculative.max_draft_len
+    base = recipe.engine.max_seq_len or resolved_max_seq_len
+    return None if base is None else base + recipe.engine.speculative.max_draft_len
 
 
 def trtllm_build_args(recipe: Recipe, checkpoint_dir: Path | str, output_dir: Path | str) -> list[str]:
     """The exact `trtllm-build` argument list for a recipe (without the program name)."""
-    b = recipe.build
+    b = recipe.engine
     args = [
         "--checkpoint_dir", str(checkpoint_dir),
         "--output_dir", str(output_dir),
@@ -113,7 +113,7 @@ def _cuda_available() -> bool:
 
 def expected_engine_config(recipe: Recipe, resolved_max_seq_len: Optional[int]) -> dict[str, Any]:
     """What the engine's config.json must say (build_config / plugin_config keys as TensorRT-LLM 1.2 writes them)."""
-    b = recipe.build
+    b = recipe.engine
     want: dict[str, Any] = {
         "build_config.max_batch_size": b.max_batch_size,
         "build_config.max_input_len": b.max_input_len,
@@ -197,7 +197,7 @@ def build_engine(ctx: StepContext) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with ctx.status("trtllm-build (minutes)"), open(log, "w") as fh:
         proc = subprocess.run(cmd if shutil.which(cmd[0]) else
-                              [sys.executable, "-m", "tensorrt_llm.commands.build", *cmd[1:]],
+                              [sys.executable, "-m", "tensorrt_llm.commands.engine", *cmd[1:]],
                               stdout=fh, stderr=subprocess.STDOUT, env=env, check=False)
     if proc.returncode != 0:
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-20:])
@@ -223,7 +223,7 @@ def describe(loaded: LoadedRecipe) -> list[str]:
     if r.target == "reference":
         return [REFERENCE_NOTE]
     lines = ["$ " + shlex.join(build_command(r, f"build/{r.name}/quantize/{CHECKPOINT_SUBDIR}",
-                                             f"build/{r.name}/build/{ENGINE_SUBDIR}"))]
+                                             f"build/{r.name}/engine/{ENGINE_SUBDIR}"))]
     reason = why_not_buildable(r)
     if reason:
         lines.append(f"(will stop here on this machine: {reason})")
@@ -231,9 +231,9 @@ def describe(loaded: LoadedRecipe) -> list[str]:
 
 
 SPEC = StepSpec(
-    name="build",
+    name="engine",
     fn=build_engine,
-    keys=("build", "parallelism", "target", "hardware.gpu"),
+    keys=("engine", "parallelism", "target", "hardware.gpu"),
     after=("quantize",),
     tools=("tensorrt_llm", "tensorrt"),
     gpu_arch=True,

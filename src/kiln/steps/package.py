@@ -45,13 +45,13 @@ def _engine_dir(recipe: Recipe, build_dir: Path, quantize_dir: Path, max_seq_len
 
 def _draft_inputs(ctx: StepContext, scratch: Path, max_seq_len: int) -> Optional[RepoInputs]:
     r = ctx.recipe
-    ref = r.build.speculative.draft_recipe
-    if r.build.speculative.mode != "draft_tokens_external" or not ref:
+    ref = r.engine.speculative.draft_recipe
+    if r.engine.speculative.mode != "draft_tokens_external" or not ref:
         return None
     base = ctx.loaded.path.parent if ctx.loaded.path else Path(".")
     draft = load_recipe(base / ref).recipe
-    build_root = ctx.inputs["build"].parent.parent
-    q, b = build_root / draft.name / "quantize", build_root / draft.name / "build"
+    build_root = ctx.inputs["engine"].parent.parent
+    q, b = build_root / draft.name / "quantize", build_root / draft.name / "engine"
     if not (q / "manifest.json").is_file() or not (b / "manifest.json").is_file():
         raise InputError(f"the draft model {draft.name} is not built: run `kiln build {base / ref}` first")
     return RepoInputs(draft, q / CHECKPOINT, _engine_dir(draft, b, q, max_seq_len, scratch, "draft-engine"),
@@ -60,8 +60,8 @@ def _draft_inputs(ctx: StepContext, scratch: Path, max_seq_len: int) -> Optional
 
 def package(ctx: StepContext) -> dict:
     r = ctx.recipe
-    quantize_dir, build_dir = ctx.inputs["quantize"], ctx.inputs["build"]
-    max_seq_len = int(ctx.results.get("resolve", {}).get("max_seq_len") or r.build.max_seq_len or r.build.max_input_len)
+    quantize_dir, build_dir = ctx.inputs["quantize"], ctx.inputs["engine"]
+    max_seq_len = int(ctx.results.get("resolve", {}).get("max_seq_len") or r.engine.max_seq_len or r.engine.max_input_len)
     engine_info = json.loads((build_dir / "engine.json").read_text())
     versions = {k: engine_info[k] for k in ("tensorrt_llm", "tensorrt") if k in engine_info}
     quality = ctx.results.get("evaluate")
@@ -124,8 +124,8 @@ def _output_dir(loaded: LoadedRecipe, repo_root: Path) -> Path:
 SPEC = StepSpec(
     name="package",
     fn=package,
-    keys=("serving", "build", "target", "model.dtype", "hardware.gpus_per_node", "parallelism"),
-    after=("resolve", "quantize", "evaluate", "build"),
+    keys=("serving", "engine", "target", "model.dtype", "hardware.gpus_per_node", "parallelism"),
+    after=("resolve", "quantize", "evaluate", "engine"),
     tools=("tritonclient",),
     input_hashes=_sources_hash,
     output_dir=_output_dir,

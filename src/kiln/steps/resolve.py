@@ -44,7 +44,7 @@ def plan_inputs(recipe, config: dict, max_seq_len: Optional[int] = None):
     """The planner's inputs for a recipe and its model config."""
     from kiln.plan import PlanInputs
 
-    q, b, s = recipe.quantization, recipe.build, recipe.serving
+    q, b, s = recipe.quantization, recipe.engine, recipe.serving
     dtype = recipe.model.dtype if recipe.model.dtype != "auto" else str(config.get("torch_dtype") or "float16")
     seq = max_seq_len or b.max_seq_len or int(config.get("max_position_embeddings") or b.max_input_len)
     return PlanInputs(model_config=config, weight_format=q.format, kv_cache=q.kv_cache, dtype=dtype,
@@ -95,12 +95,12 @@ def resolve(ctx: StepContext) -> dict:
                              "give a directory made by save_pretrained, hf:org/name, or builtin:tiny-llama")
     cfg = model_config(ctx.loaded)
     max_pos = (cfg or {}).get("max_position_embeddings")
-    max_seq_len = r.build.max_seq_len or max_pos
-    if max_pos and r.build.max_input_len > max_pos:
-        raise InputError(f"build.max_input_len ({r.build.max_input_len}) exceeds the model's "
-                         f"max_position_embeddings ({max_pos}); lower build.max_input_len")
+    max_seq_len = r.engine.max_seq_len or max_pos
+    if max_pos and r.engine.max_input_len > max_pos:
+        raise InputError(f"engine.max_input_len ({r.engine.max_input_len}) exceeds the model's "
+                         f"max_position_embeddings ({max_pos}); lower engine.max_input_len")
     if max_pos and max_seq_len and max_seq_len > max_pos:
-        ctx.log(f"  warning: build.max_seq_len {max_seq_len} exceeds max_position_embeddings {max_pos}")
+        ctx.log(f"  warning: engine.max_seq_len {max_seq_len} exceeds max_position_embeddings {max_pos}")
     gpu, count, detected = r.hardware.gpu, r.hardware.count, False
     if gpu is None and r.target == "tensorrt":
         from kiln.recipe.gpus import detect_gpus
@@ -121,7 +121,7 @@ def resolve(ctx: StepContext) -> dict:
 SPEC = StepSpec(
     name="resolve",
     fn=resolve,
-    keys=("model", "build.max_seq_len", "build.max_input_len", "hardware", "target"),
+    keys=("model", "engine.max_seq_len", "engine.max_input_len", "hardware", "target"),
     input_hashes=lambda loaded: {"model": model_source_hash(loaded.recipe.model.source)},
     files_checked=("recipe.yaml", "resolved.json"),
 )

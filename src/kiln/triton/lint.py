@@ -224,7 +224,7 @@ def check_engine_agreement(m: Model, repo: Path) -> Iterable[Finding]:
     if e_batch is not None and m.config.max_batch_size > e_batch:
         yield Finding("error", m.name, file, m.line_of(r"^\s*max_batch_size\s*:"),
                       f"max_batch_size {m.config.max_batch_size} exceeds the engine's {e_batch}",
-                      f"set max_batch_size: {e_batch} (or rebuild the engine with a larger build.max_batch_size)")
+                      f"set max_batch_size: {e_batch} (or rebuild the engine with a larger engine.max_batch_size)")
     beam = _int(m.param("max_beam_width"))
     if beam is not None and e_beam is not None and beam > e_beam:
         yield Finding("error", m.name, file, m.param_line("max_beam_width"),
@@ -245,7 +245,7 @@ def check_engine_agreement(m: Model, repo: Path) -> Iterable[Finding]:
                    "the engine was built without paged context FMHA")
             yield Finding("error", m.name, file, m.param_line(key) or m.line_of("parameters"),
                           f"{key} is on but {why}",
-                          f'set {key} to "false", or rebuild with build.use_paged_context_fmha: true')
+                          f'set {key} to "false", or rebuild with engine.use_paged_context_fmha: true')
     gmt = m.param("gpt_model_type")
     if gmt in ("inflight_fused_batching", "inflight_batching") and not paged:
         yield Finding("error", m.name, file, m.param_line("gpt_model_type"),

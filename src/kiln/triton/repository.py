@@ -80,7 +80,7 @@ def standin_engine_config(recipe: Recipe, max_seq_len: int, quantization: Option
 
     The reference runtime runs with exactly these limits; tests use it as a stand-in for GPU recipes' engines.
     """
-    b = recipe.build
+    b = recipe.engine
     return {
         "version": version,
         "runtime": "reference" if version == "reference" else "tensorrt",
@@ -171,17 +171,17 @@ def render(config) -> str:
 
 def preprocessing_config(r: Recipe, max_seq_len: int):
     up = MODELS["preprocessing"]
-    c = _base("preprocessing", r.build.max_batch_size, _select(up.inputs, PRE_INPUTS), _select(up.outputs, PRE_OUTPUTS),
+    c = _base("preprocessing", r.engine.max_batch_size, _select(up.inputs, PRE_INPUTS), _select(up.outputs, PRE_OUTPUTS),
               backend="python")
     _cpu_instances(c, r.serving.preprocessing_instances)
     _params(c, {"tokenizer_dir": "1/tokenizer", "add_special_tokens": r.serving.add_special_tokens,
-                "max_input_len": r.build.max_input_len, "max_seq_len": max_seq_len})
+                "max_input_len": r.engine.max_input_len, "max_seq_len": max_seq_len})
     return c
 
 
 def postprocessing_config(r: Recipe):
     up = MODELS["postprocessing"]
-    c = _base("postprocessing", r.build.max_batch_size, _select(up.inputs, POST_INPUTS),
+    c = _base("postprocessing", r.engine.max_batch_size, _select(up.inputs, POST_INPUTS),
               _select(up.outputs, POST_OUTPUTS), backend="python")
     _cpu_instances(c, r.serving.postprocessing_instances)
     _params(c, {"tokenizer_dir": "1/tokenizer", "skip_special_tokens": r.serving.skip_special_tokens})
@@ -195,12 +195,12 @@ def trtllm_config(r: Recipe, name: str, max_seq_len: int, engine_cfg: dict):
     reference = r.target == "reference"
     ins = _select(up.inputs, REFERENCE_TRTLLM_INPUTS if reference else None)
     outs = _select(up.outputs, REFERENCE_TRTLLM_OUTPUTS if reference else None)
-    c = _base(name, r.build.max_batch_size, ins, outs, backend="python" if reference else "tensorrtllm")
+    c = _base(name, r.engine.max_batch_size, ins, outs, backend="python" if reference else "tensorrtllm")
     c.model_transaction_policy.decoupled = s.streaming
     c.dynamic_batching.max_queue_delay_microseconds = s.max_queue_delay_microseconds
     _cpu_instances(c, 1)
     common = {
-        "max_beam_width": r.build.max_beam_width,
+        "max_beam_width": r.engine.max_beam_width,
         "exclude_input_in_output": s.exclude_input_in_output,
         "enable_kv_cache_reuse": s.enable_kv_cache_reuse,
         "max_tokens_in_paged_kv_cache": s.max_tokens_in_paged_kv_cache,
@@ -259,7 +259,7 @@ def ensemble_config(r: Recipe, trt_inputs: set[str], trt_outputs: set[str]):
     produced = {et for _, _, omap in steps for _, et in omap}
     ins = [t for t in up.inputs if t.name in used_inputs]
     outs = [t for t in up.outputs if t.name in produced]
-    c = _base("ensemble", r.build.max_batch_size, ins, outs, platform="ensemble")
+    c = _base("ensemble", r.engine.max_batch_size, ins, outs, platform="ensemble")
     for model_name, imap, omap in steps:
         st = c.ensemble_scheduling.step.add()
         st.model_name = model_name
@@ -273,13 +273,13 @@ def ensemble_config(r: Recipe, trt_inputs: set[str], trt_outputs: set[str]):
 
 def bls_config(r: Recipe, draft_name: Optional[str]):
     up = MODELS["tensorrt_llm_bls"]
-    c = _base("tensorrt_llm_bls", r.build.max_batch_size, _select(up.inputs, BLS_INPUTS),
+    c = _base("tensorrt_llm_bls", r.engine.max_batch_size, _select(up.inputs, BLS_INPUTS),
               _select(up.outputs, BLS_OUTPUTS), backend="python")
     c.model_transaction_policy.decoupled = r.serving.streaming
     _cpu_instances(c, r.serving.bls_instances)
     _params(c, {"accumulate_tokens": False, "tensorrt_llm_model_name": "tensorrt_llm",
                 "tensorrt_llm_draft_model_name": draft_name,
-                "num_draft_tokens": r.build.speculative.max_draft_len or None})
+                "num_draft_tokens": r.engine.speculative.max_draft_len or None})
     return c
 
 
