@@ -1,5 +1,6 @@
 """The runner's contract with fast stand-in steps: fingerprints, skip/re-run, --from/--to/--force, atomic outputs,
-reuse across recipes, and the lock. The real steps are exercised in test_pipeline_integration.py."""
+reuse across recipes, and the lock. The real step declarations are exercised in test_step_contracts.py (fast) and
+test_pipeline_integration.py (real ModelOpt)."""
 
 from __future__ import annotations
 
@@ -12,21 +13,27 @@ import pytest
 
 from kiln.pipeline import runner
 from kiln.recipe.loader import load_recipe
-from kiln.steps.base import StepContext, StepSpec
+from kiln.steps.base import StepContext, StepResult, StepSpec
 from kiln.util.artifacts import read_manifest
 from kiln.util.errors import InputError, KilnError
 
 CALLS: list[str] = []
 
 
+class StandInResult(StepResult):
+    """The stand-in steps' result."""
+
+    step: str
+
+
 def _writer(name: str):
-    def fn(ctx: StepContext) -> dict:
+    def fn(ctx: StepContext) -> StandInResult:
         CALLS.append(name)
         upstream = {k: (v / "out.txt").read_text() for k, v in ctx.inputs.items() if (v / "out.txt").exists()}
         (ctx.out_dir / "out.txt").write_text(json.dumps({"step": name, "upstream": upstream}))
         if name == "quantize" and ctx.recipe.quantization.calibration.samples == 13:
             raise KilnError("boom in quantize")
-        return {"summary": f"{name} done"}
+        return StandInResult(summary=f"{name} done", step=name)
 
     return fn
 
@@ -35,15 +42,18 @@ def _gate(recipe, result):
     return "gate failed" if recipe.evaluation.max_kl == 0.0 else None
 
 
+def _spec(name: str, keys: tuple[str, ...], **kw) -> StepSpec:
+    return StepSpec(name, kw.pop("fn", _writer(name)), StandInResult, keys, files=("out.txt",), **kw)
+
+
 SPECS = {
-    "resolve": StepSpec("resolve", _writer("resolve"), keys=("model",)),
-    "quantize": StepSpec("quantize", _writer("quantize"), keys=("model", "quantization", "target"), after=("resolve",)),
-    "evaluate": StepSpec("evaluate", _writer("evaluate"), keys=("evaluation",),
-                         ignore=("evaluation.max_ppl_increase_pct", "evaluation.max_kl"), after=("quantize",),
-                         check=_gate),
-    "engine": StepSpec("engine", _writer("engine"), keys=("engine",), after=("quantize",)),
-    "package": StepSpec("package", _writer("package"), keys=("serving", "engine"), after=("engine", "evaluate"),
-                        output_dir=lambda loaded, root: root / loaded.recipe.name),
+    "resolve": _spec("resolve", ("model",)),
+    "quantize": _spec("quantize", ("model", "quantization", "target"), after=("resolve",)),
+    "evaluate": _spec("evaluate", ("evaluation",), ignore=("evaluation.max_ppl_increase_pct", "evaluation.max_kl"),
+                      after=("quantize",), check=_gate),
+    "engine": _spec("engine", ("engine",), after=("quantize",)),
+    "package": _spec("package", ("serving", "engine"), after=("engine", "evaluate"),
+                     output_dir=lambda loaded, root: root / loaded.recipe.name),
 }
 
 
@@ -190,13 +200,19 @@ def test_incomplete_output_is_never_accepted(recipe_file, layout):
     assert CALLS[0] == "quantize"
 
 
-def test_leftover_temp_dirs_are_swept(recipe_file, layout):
+def test_leftovers_are_swept_at_the_start_even_when_no_step_reruns(recipe_file, layout):
     build(recipe_file, layout)
-    junk = layout.build_root / "pipe" / ".quantize.tmp-999-deadbeef"
-    junk.mkdir()
-    (junk / "half.bin").write_text("x")
-    build(recipe_file, layout, "quantization.format=fp8")
-    assert not junk.exists()
+    junk = [layout.build_root / "pipe" / ".quantize.tmp-999-deadbeef", layout.build_root / "pipe" / ".engine.old-1a2b",
+            layout.repo_root / ".pipe.tmp-999-cafe", layout.repo_root.parent / "deploy" / ".pipe.tmp-999-f00d"]
+    other = layout.build_root / "other" / ".quantize.tmp-999-deadbeef"  # another recipe's: not ours to sweep
+    for d in [*junk, other]:
+        d.mkdir(parents=True)
+        (d / "half.bin").write_text("x")
+    CALLS.clear()
+    s = build(recipe_file, layout)
+    assert CALLS == []  # nothing re-ran, and still:
+    assert not any(d.exists() for d in junk) and sorted(s.swept) == sorted(junk)
+    assert other.exists()
 
 
 def test_points_that_share_a_step_fingerprint_reuse_its_output(tmp_path, layout):
@@ -221,8 +237,7 @@ def _slow_build(recipe_file: str, build_root: str, repo_root: str, q) -> None:
         time.sleep(1.5)
         return _writer("quantize")(ctx)
 
-    slow["quantize"] = StepSpec("quantize", slow_quantize, keys=("model", "quantization", "target"),
-                                after=("resolve",))
+    slow["quantize"] = _spec("quantize", ("model", "quantization", "target"), fn=slow_quantize, after=("resolve",))
     runner.load_steps = lambda: slow
     s = runner.run(load_recipe(recipe_file), runner.Layout(Path(build_root), Path(repo_root)), progress=False)
     q.put((s.failure is None, {o.name: o.status for o in s.outcomes}))

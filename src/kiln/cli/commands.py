@@ -45,7 +45,7 @@ def layout_options(fn):
 
 def _run_build(recipe: str, overrides, strict, from_step, to_step, force, dry_run, build_dir, repo_dir,
                as_json: bool, quiet: bool) -> None:
-    from kiln.pipeline.runner import Layout, describe_schedule, render_summary, run, schedule, summary_json
+    from kiln.pipeline.runner import Layout, Status, describe_schedule, render_summary, run, schedule, summary_json
 
     loaded = load(recipe, overrides, strict)
     layout = Layout(build_dir, repo_dir)
@@ -61,7 +61,7 @@ def _run_build(recipe: str, overrides, strict, from_step, to_step, force, dry_ru
     if summary.failure is not None:
         err.print(f"error: {summary.failure}", style="red", markup=False)
         sys.exit(summary.failure.exit_code)
-    if loaded.recipe.target == "reference" and any(o.name == "package" and o.status in ("ran", "skipped")
+    if loaded.recipe.target == "reference" and any(o.name == "package" and o.status in (Status.RAN, Status.REUSED, Status.SKIPPED)
                                                    for o in summary.outcomes):
         err.print("note: target 'reference' serves the quantized model with PyTorch on CPU — a test and "
                   "development vehicle with the tensorrt_llm tensor contract, not the fast path.", style="dim")
@@ -108,25 +108,11 @@ def quantize(recipe, overrides, strict, force, quiet, build_dir, repo_dir):
 @handle_errors
 def plan_cmd(recipe, overrides, gpu: Optional[str], count: Optional[int], model_config: Optional[Path], as_json):
     """Memory, KV-cache capacity and speed limits of RECIPE on a GPU — no GPU needed."""
-    from kiln.plan import PlanError, load_model_config, make_plan, render_plan
-    from kiln.recipe.gpus import known_gpu_names, lookup_gpu
-    from kiln.steps.resolve import model_config as recipe_model_config
-    from kiln.steps.resolve import plan_inputs
+    from kiln.plan import PlanError, plan_for, render_plan
 
     loaded = load(recipe, overrides)
-    r = loaded.recipe
-    name = gpu or r.hardware.gpu
-    if not name:
-        raise InputError("no GPU to plan for: pass --gpu (known: " + ", ".join(known_gpu_names()) + ")")
-    spec = lookup_gpu(name)
-    if spec is None:
-        raise InputError(f"unknown GPU {name!r}; known: " + ", ".join(known_gpu_names()))
     try:
-        cfg = load_model_config(model_config) if model_config else recipe_model_config(loaded)
-        if cfg is None:
-            raise InputError(f"no model config for {r.model.source} without downloading it: pass --model-config "
-                             "FILE (the model's config.json)")
-        result = make_plan(plan_inputs(r, cfg), spec, count or r.hardware.count)
+        result = plan_for(loaded, gpu, count, model_config)
     except PlanError as exc:
         raise InputError(str(exc)) from None
     if as_json:

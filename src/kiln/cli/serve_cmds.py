@@ -176,17 +176,13 @@ def bench(url, model, concurrency, rate, poisson, duration, input_len, output_le
     paths = report.write(out_dir)
     out.print(format_report(report), markup=False)
     if recipe:
-        from kiln.plan import make_plan
-        from kiln.recipe.gpus import lookup_gpu
-        from kiln.steps.resolve import model_config, plan_inputs
+        from kiln.plan import PlanError, plan_for
 
-        loaded = load(recipe, ())
-        spec = lookup_gpu(gpu or loaded.recipe.hardware.gpu or "")
-        cfg_model = model_config(loaded)
-        if spec is None or cfg_model is None:
-            raise InputError("--recipe needs a known GPU (--gpu) and a model config kiln can read")
-        out.print(format_comparison(compare_with_plan(report, make_plan(plan_inputs(loaded.recipe, cfg_model), spec))),
-                  markup=False)
+        try:
+            plan = plan_for(load(recipe, ()), gpu)
+        except PlanError as exc:
+            raise InputError(f"--recipe: {exc}") from None
+        out.print(format_comparison(compare_with_plan(report, plan)), markup=False)
     out.print("wrote " + ", ".join(str(p) for p in paths.values()), markup=False)
     if report.total_errors:
         err.print(f"error: {report.total_errors} request(s) failed or mismatched", style="red")

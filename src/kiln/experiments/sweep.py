@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from rich.console import Console
 
 from kiln.pipeline.fingerprint import digest
-from kiln.pipeline.runner import Layout, run, schedule
+from kiln.pipeline.runner import Action, Layout, run, schedule
+from kiln.steps.evaluate import EvaluateResult
 from kiln.recipe.errors import Origin, Problem, RecipeError
 from kiln.recipe.loader import LoadedRecipe, load_recipe, read_yaml
 from kiln.util.errors import KilnError
@@ -167,17 +168,16 @@ def load_sweep(path: Path, layout: Layout) -> Sweep:
 
 
 def _plan_figures(loaded: LoadedRecipe, gpu_name: Optional[str]) -> Optional[dict]:
-    from kiln.plan import PlanError, make_plan
-    from kiln.recipe.gpus import lookup_gpu
-    from kiln.steps.resolve import model_config, plan_inputs
+    from kiln.plan import PlanError, plan_for, plan_gpu, recipe_model_config
 
-    name = gpu_name or loaded.recipe.hardware.gpu
-    gpu = lookup_gpu(name) if name else None
-    cfg = model_config(loaded)
-    if gpu is None or cfg is None:
+    try:
+        gpu = plan_gpu(loaded, gpu_name)
+    except PlanError:
+        return None  # no GPU to plan for (the sweep validated the names it was given)
+    if recipe_model_config(loaded) is None:
         return None
     try:
-        p = make_plan(plan_inputs(loaded.recipe, cfg), gpu, loaded.recipe.hardware.count)
+        p = plan_for(loaded, gpu)
     except PlanError as exc:
         return {"error": str(exc)}
     d = p.to_dict()
@@ -204,14 +204,15 @@ def run_point(point: Point, loaded: LoadedRecipe, layout: Layout, spec: SweepFil
                               "recipe": loaded.recipe.name, "status": "ok"}
     try:
         steps = schedule(loaded, layout, to_step=to_step)
-        record["fingerprint"] = digest({p.spec.name: p.fingerprint for p in steps if p.action != "outside"})
+        record["fingerprint"] = digest({p.spec.name: p.fingerprint for p in steps if p.action != Action.OUTSIDE})
         summary = run(loaded, layout, to_step=to_step, console=Console(stderr=True, quiet=not progress),
                       progress=progress)
-        record["steps"] = {o.name: o.status for o in summary.outcomes}
-        evaluate = next((o for o in summary.outcomes if o.name == "evaluate"), None)
-        if evaluate is not None and evaluate.result:
-            record["quality"] = {k: evaluate.result.get(k) for k in
-                                 ("base_perplexity", "quant_perplexity", "ppl_increase_pct", "mean_kl") if k in evaluate.result}
+        record["steps"] = {o.name: o.status.value for o in summary.outcomes}
+        evaluate = next((o.result for o in summary.outcomes if isinstance(o.result, EvaluateResult)), None)
+        if evaluate is not None and not evaluate.skipped:
+            record["quality"] = {"base_perplexity": evaluate.base_perplexity,
+                                 "quant_perplexity": evaluate.quant_perplexity,
+                                 "ppl_increase_pct": evaluate.ppl_increase_pct, "mean_kl": evaluate.mean_kl}
         if summary.failure is not None:
             record.update(status="failed", error=str(summary.failure))
     except KilnError as exc:

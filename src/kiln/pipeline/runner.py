@@ -1,7 +1,8 @@
 """The runner: schedule which steps to run (and why), run them under a lock into atomic outputs, summarise.
 
-`build/<recipe>/<step>/manifest.json` records each step's fingerprint components, the resolved recipe,
-timings and the host; a step is skipped only when its fingerprint matches a complete output.
+`build/<recipe>/<step>/manifest.json` records each step's fingerprint components, the resolved recipe, its
+typed result, timings and the host; a step is skipped only when its fingerprint matches a complete output
+(every file its contract requires listed and present, its stored result valid for the step's result type).
 """
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import socket
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
 
@@ -24,9 +27,36 @@ from kiln.pipeline.fingerprint import diff, digest, flatten, select, tool_versio
 from kiln.pipeline.registry import STEP_ORDER, load_steps
 from kiln.recipe.loader import LoadedRecipe
 from kiln.recipe.render import recipe_yaml
-from kiln.steps.base import StepContext, StepSpec
-from kiln.util.artifacts import atomic_dir, link_tree, read_manifest, sweep_leftovers, write_manifest
+from kiln.steps.base import StepContext, StepResult, StepSpec
+from kiln.util.artifacts import atomic_dir, leftovers, link_tree, read_manifest, write_manifest
 from kiln.util.errors import InputError, KilnError
+
+
+class _Word(str, Enum):
+    """An enum whose members print and serialise as their plain value ("ran", not "Status.RAN")."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    __format__ = str.__format__
+
+
+class Action(_Word):
+    """What the schedule decided for a step."""
+
+    RUN = "run"
+    SKIP = "skip"  # up to date: the stored output is used
+    OUTSIDE = "outside"  # outside --from/--to: the stored output is used if there is one
+
+
+class Status(_Word):
+    """What happened to a step in a run."""
+
+    RAN = "ran"
+    REUSED = "reused"  # same fingerprint under another recipe: hard-linked instead of recomputed
+    SKIPPED = "skipped"
+    FAILED = "failed"
+    NOT_RUN = "not run"
 
 
 @dataclass
@@ -51,19 +81,22 @@ class ScheduledStep:
     out_dir: Path
     components: dict[str, Any]
     fingerprint: str
-    action: str  # run | skip | pending (module not built yet) | outside (outside --from/--to)
+    action: Action
     reasons: list[str] = field(default_factory=list)
     manifest: Optional[dict] = None
+    stored: Optional[StepResult] = None
+    """The stored output's result, validated as the step's result type (None when there is none)."""
 
 
 @dataclass
 class StepOutcome:
     name: str
-    status: str  # ran | reused | skipped | failed | not built | not run
+    status: Status
     seconds: float = 0.0
     out_dir: Optional[Path] = None
-    result: dict = field(default_factory=dict)
+    result: Optional[StepResult] = None
     message: str = ""
+    reused_from: Optional[Path] = None
 
 
 @dataclass
@@ -72,9 +105,28 @@ class RunSummary:
     outcomes: list[StepOutcome]
     failure: Optional[KilnError] = None
     seconds: float = 0.0
+    swept: list[Path] = field(default_factory=list)
+    """Temporary outputs a killed build had left, removed at the start of this run."""
 
 
-def _components(spec: StepSpec, loaded: LoadedRecipe, upstream: dict[str, str], gpu_arch: Optional[str]) -> dict:
+def gpu_component(loaded: LoadedRecipe) -> str:
+    """The GPU a GPU-dependent step's output is made for: the recipe's ``hardware.gpu`` when declared (required
+    where the step runs on another machine), else the GPU detected here (its name as the driver reports it
+    when the GPU table does not know it), else "none"."""
+    from kiln.recipe.gpus import detected_gpu_names, lookup_gpu
+
+    named = loaded.recipe.hardware.gpu
+    if named:
+        gpu = lookup_gpu(named)
+        return f"{gpu.name} (sm_{gpu.sm})" if gpu else named
+    detected = detected_gpu_names()
+    if not detected:
+        return "none"
+    gpu = lookup_gpu(detected[0])
+    return f"{gpu.name} (sm_{gpu.sm})" if gpu else detected[0]
+
+
+def _components(spec: StepSpec, loaded: LoadedRecipe, upstream: dict[str, str], gpu: Optional[str]) -> dict:
     comps: dict[str, Any] = {
         "recipe": select(flatten(loaded.recipe), spec.keys, spec.ignore),
         "upstream": {name: upstream[name] for name in spec.after if name in upstream},
@@ -82,20 +134,22 @@ def _components(spec: StepSpec, loaded: LoadedRecipe, upstream: dict[str, str], 
     }
     if spec.input_hashes is not None:
         comps["inputs"] = spec.input_hashes(loaded)
-    if spec.gpu_arch:
-        comps["gpu_arch"] = gpu_arch or "none"
+    if gpu is not None:
+        comps["gpu"] = gpu
     return comps
 
 
-def _gpu_arch(loaded: LoadedRecipe) -> Optional[str]:
-    from kiln.recipe.gpus import lookup_gpu
-
-    gpu = lookup_gpu(loaded.recipe.hardware.gpu) if loaded.recipe.hardware.gpu else None
-    return f"sm_{gpu.sm}" if gpu else None
+def _stored(spec: StepSpec, out_dir: Path, loaded: LoadedRecipe) -> tuple[Optional[dict], Optional[StepResult]]:
+    """The complete output's manifest and its result (both None when there is no complete, valid output)."""
+    manifest = read_manifest(out_dir, spec.required_files(loaded.recipe))
+    if manifest is None:
+        return None, None
+    result = spec.load_result(manifest.get("result"))
+    return (manifest, result) if result is not None else (None, None)
 
 
 def schedule(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_step: Optional[str] = None,
-         to_step: Optional[str] = None) -> list[ScheduledStep]:
+             to_step: Optional[str] = None) -> list[ScheduledStep]:
     """Decide, for every step, whether it runs and why. Cheap: no heavy imports, no model loading."""
     for label, value in (("--from", from_step), ("--to", to_step)):
         if value is not None and value not in STEP_ORDER:
@@ -105,40 +159,37 @@ def schedule(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_ste
     if first > last:
         raise InputError(f"--from {from_step} comes after --to {to_step}")
     specs = load_steps()
-    arch = _gpu_arch(loaded)
+    gpu: Optional[str] = None
     scheduled: list[ScheduledStep] = []
     fingerprints: dict[str, str] = {}
-    rerun: set[str] = set()
     for index, name in enumerate(STEP_ORDER):
-        spec = specs.get(name)
-        if spec is None:
-            scheduled.append(ScheduledStep(StepSpec(name, lambda ctx: {}, ()), Path("-"), {}, "", "pending",
-                                       ["not built yet"]))
-            continue
+        spec = specs[name]
         out_dir = layout.step_dir(spec, loaded)
-        comps = _components(spec, loaded, fingerprints, arch)
+        step_gpu = None
+        if spec.gpu_dependent is not None and spec.gpu_dependent(loaded.recipe):
+            gpu = gpu if gpu is not None else gpu_component(loaded)
+            step_gpu = gpu
+        comps = _components(spec, loaded, fingerprints, step_gpu)
         fp = digest(comps)
         fingerprints[name] = fp
-        manifest = read_manifest(out_dir)
+        manifest, stored = _stored(spec, out_dir, loaded)
         reasons: list[str] = []
         if manifest is None:
             reasons.append("no complete output")
         elif manifest.get("fingerprint") != fp:
             reasons.extend(diff(manifest.get("components", {}), comps) or ["fingerprint changed"])
         if index < first or index > last:
-            action = "outside"
+            action = Action.OUTSIDE
         elif force or (from_step is not None and index >= first):
-            action = "run"
+            action = Action.RUN
             reasons.insert(0, "--force" if force else f"--from {from_step}")
         else:
-            action = "run" if reasons else "skip"
-        if action == "run":
-            rerun.add(name)
-        scheduled.append(ScheduledStep(spec, out_dir, comps, fp, action, reasons, manifest))
+            action = Action.RUN if reasons else Action.SKIP
+        scheduled.append(ScheduledStep(spec, out_dir, comps, fp, action, reasons, manifest, stored))
     # Steps before --from are used as they are: they must be complete and current.
+    needed = {q for s in scheduled[first:last + 1] for q in s.spec.after}
     for p in scheduled[:first]:
-        if p.action == "outside" and p.reasons and p.spec.name in {q for s in scheduled[first:last + 1]
-                                                                    for q in s.spec.after}:
+        if p.action == Action.OUTSIDE and p.reasons and p.spec.name in needed:
             raise InputError(f"--from {from_step}: upstream step {p.spec.name} is "
                              f"{'missing' if p.manifest is None else 'out of date'} ({'; '.join(p.reasons)}); "
                              f"run without --from, or --from {p.spec.name}")
@@ -149,18 +200,18 @@ def describe_schedule(scheduled: list[ScheduledStep], loaded: LoadedRecipe, cons
     """--dry-run: each step, run or skip and why, plus the step's own lines (e.g. the trtllm-build command)."""
     console.print(f"[bold]schedule for {loaded.recipe.name}[/] (target {loaded.recipe.target})")
     for p in scheduled:
-        mark = {"run": "[yellow]run [/]", "skip": "[green]skip[/]", "pending": "[dim]n/a [/]",
-                "outside": "[dim]--  [/]"}[p.action]
-        why = "up to date" if p.action == "skip" else "; ".join(p.reasons) if p.reasons else "outside --from/--to"
-        if p.action == "outside" and not p.reasons:
+        mark = {Action.RUN: "[yellow]run [/]", Action.SKIP: "[green]skip[/]", Action.OUTSIDE: "[dim]--  [/]"}[p.action]
+        why = "up to date" if p.action == Action.SKIP else "; ".join(p.reasons) if p.reasons else "outside --from/--to"
+        if p.action == Action.OUTSIDE and not p.reasons:
             why = "outside --from/--to (up to date)"
         console.print(f"  {mark} {p.spec.name:<9} {p.out_dir}  [dim]{why}[/]", highlight=False)
-        if p.spec.describe is not None and p.action != "pending":
+        if p.spec.describe is not None:
             for line in p.spec.describe(loaded):
                 console.print(f"         {line}", markup=False, highlight=False)
 
 
-def _manifest(p: ScheduledStep, loaded: LoadedRecipe, result: dict, started: float, seconds: float) -> dict:
+def _manifest(p: ScheduledStep, loaded: LoadedRecipe, result: StepResult, started: float, seconds: float,
+              reused_from: Optional[Path]) -> dict:
     return {
         "step": p.spec.name,
         "recipe": loaded.recipe.name,
@@ -169,7 +220,8 @@ def _manifest(p: ScheduledStep, loaded: LoadedRecipe, result: dict, started: flo
         "resolved_recipe": recipe_yaml(loaded.recipe),
         "recipe_file": str(loaded.path) if loaded.path else None,
         "overrides": list(loaded.overrides),
-        "result": result,
+        "result": result.model_dump(mode="json"),
+        "reused_from": str(reused_from) if reused_from else None,
         "started": datetime.fromtimestamp(started, timezone.utc).isoformat(),
         "seconds": round(seconds, 3),
         "host": {"name": socket.gethostname(), "platform": platform.platform(), "python": platform.python_version(),
@@ -177,7 +229,7 @@ def _manifest(p: ScheduledStep, loaded: LoadedRecipe, result: dict, started: flo
     }
 
 
-def find_reusable(p: ScheduledStep, layout: Layout) -> Optional[Path]:
+def find_reusable(p: ScheduledStep, layout: Layout, loaded: LoadedRecipe) -> Optional[Path]:
     """A complete output of the same step with the same fingerprint under another recipe's build dir.
 
     Fingerprints leave out the recipe name, so recipes (or sweep points) that differ only in keys a step does
@@ -189,7 +241,7 @@ def find_reusable(p: ScheduledStep, layout: Layout) -> Optional[Path]:
         candidate = other / p.spec.name
         if candidate == p.out_dir or not candidate.is_dir():
             continue
-        manifest = read_manifest(candidate)
+        manifest, stored = _stored(p.spec, candidate, loaded)
         if manifest is not None and manifest.get("fingerprint") == p.fingerprint:
             return candidate
     return None
@@ -207,6 +259,22 @@ def _lock(build_dir: Path, console: Console) -> FileLock:
     return lock
 
 
+def sweep_recipe_leftovers(loaded: LoadedRecipe, layout: Layout) -> list[Path]:
+    """Remove every temporary output a killed build of this recipe left, whether or not its step runs again
+    (a 70B checkpoint's leftovers can be a hundred GB). Call while holding the recipe's build lock: every
+    writer of these outputs holds it, so none is being written."""
+    name = loaded.recipe.name
+    found = leftovers(layout.build_dir(name), [spec.name for spec in load_steps().values()])
+    for spec in load_steps().values():
+        if spec.output_dir is not None:
+            final = layout.step_dir(spec, loaded)
+            found += leftovers(final.parent, [final.name])
+            found += leftovers(final.parent.parent / "deploy", [final.name])  # the package step's deploy files
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True)
+    return found
+
+
 def run(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_step: Optional[str] = None,
         to_step: Optional[str] = None, console: Optional[Console] = None, progress: bool = True) -> RunSummary:
     """Run the pipeline. Never raises for a step failure: the summary carries it (CLI maps it to an exit code)."""
@@ -217,28 +285,28 @@ def run(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_step: Op
     outcomes: list[StepOutcome] = []
     failure: Optional[KilnError] = None
     try:
+        swept = sweep_recipe_leftovers(loaded, layout)
+        if swept:
+            console.print(f"[dim]removed {len(swept)} temporary output(s) left by an interrupted build: "
+                          + ", ".join(p.name for p in swept) + "[/]", highlight=False)
         scheduled = schedule(loaded, layout, force, from_step, to_step)  # again: another build may have finished
         inputs: dict[str, Path] = {}
-        results: dict[str, dict] = {}
+        results: dict[str, StepResult] = {}
         for p in scheduled:
             name = p.spec.name
             if failure is not None:
-                outcomes.append(StepOutcome(name, "not run", out_dir=p.out_dir))
+                outcomes.append(StepOutcome(name, Status.NOT_RUN, out_dir=p.out_dir))
                 continue
-            if p.action == "pending":
-                outcomes.append(StepOutcome(name, "not built", message="this step is not built yet"))
-                continue
-            if p.action in ("skip", "outside"):
-                if p.manifest is not None:
-                    inputs[name], results[name] = p.out_dir, p.manifest.get("result", {})
-                if p.action == "skip":
-                    outcomes.append(StepOutcome(name, "skipped", 0.0, p.out_dir, results[name], "up to date"))
-                    failure = _check(p, loaded, results[name])
+            if p.action in (Action.SKIP, Action.OUTSIDE):
+                if p.stored is not None:
+                    inputs[name], results[name] = p.out_dir, p.stored
+                if p.action == Action.SKIP:
+                    outcomes.append(StepOutcome(name, Status.SKIPPED, 0.0, p.out_dir, p.stored, "up to date"))
+                    failure = _check(p, loaded, p.stored)
                 else:
-                    outcomes.append(StepOutcome(name, "not run", out_dir=p.out_dir, message="outside --from/--to"))
+                    outcomes.append(StepOutcome(name, Status.NOT_RUN, out_dir=p.out_dir, message="outside --from/--to"))
                 continue
-            sweep_leftovers(p.out_dir)
-            reuse = None if force else find_reusable(p, layout)
+            reuse = None if force else find_reusable(p, layout, loaded)
             console.print(f"[bold]▶ {name}[/] [dim]({'; '.join(p.reasons)})"
                           + (f" — reusing {reuse}" if reuse else "") + "[/]", highlight=False)
             started, t0 = time.time(), time.monotonic()
@@ -246,29 +314,37 @@ def run(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_step: Op
                 with atomic_dir(p.out_dir) as tmp:
                     if reuse is not None:
                         link_tree(reuse, tmp, skip=("manifest.json",))
-                        result = {**(read_manifest(reuse) or {}).get("result", {}), "reused_from": str(reuse)}
+                        result = _stored(p.spec, reuse, loaded)[1]
                     else:
                         ctx = StepContext(loaded, tmp, dict(inputs), dict(results), console, progress, p.out_dir,
                                           p.fingerprint)
-                        result = p.spec.fn(ctx) or {}
-                    write_manifest(tmp, _manifest(p, loaded, result, started, time.monotonic() - t0))
+                        result = p.spec.fn(ctx)
+                    if not isinstance(result, p.spec.result):
+                        raise TypeError(f"step {name} returned {type(result).__name__}, "
+                                        f"its contract says {p.spec.result.__name__}")
+                    missing = [f for f in p.spec.required_files(loaded.recipe) if not (tmp / f).is_file()]
+                    if missing:
+                        raise KilnError(f"step {name} did not write {', '.join(missing)}: its output is incomplete "
+                                        "and was not kept")
+                    write_manifest(tmp, _manifest(p, loaded, result, started, time.monotonic() - t0, reuse))
             except KilnError as exc:
-                outcomes.append(StepOutcome(name, "failed", time.monotonic() - t0, None, {}, str(exc)))
+                outcomes.append(StepOutcome(name, Status.FAILED, time.monotonic() - t0, None, None, str(exc)))
                 failure = exc
                 continue
             seconds = time.monotonic() - t0
             inputs[name], results[name] = p.out_dir, result
-            outcomes.append(StepOutcome(name, "reused" if reuse else "ran", seconds, p.out_dir, result))
+            outcomes.append(StepOutcome(name, Status.REUSED if reuse else Status.RAN, seconds, p.out_dir, result,
+                                        reused_from=reuse))
             failure = _check(p, loaded, result)
             if failure is not None:
                 outcomes[-1].message = str(failure)
     finally:
         lock.release()
-    return RunSummary(loaded.recipe.name, outcomes, failure, time.monotonic() - t_start)
+    return RunSummary(loaded.recipe.name, outcomes, failure, time.monotonic() - t_start, swept)
 
 
-def _check(p: ScheduledStep, loaded: LoadedRecipe, result: dict) -> Optional[KilnError]:
-    if p.spec.check is None:
+def _check(p: ScheduledStep, loaded: LoadedRecipe, result: Optional[StepResult]) -> Optional[KilnError]:
+    if p.spec.check is None or result is None:
         return None
     message = p.spec.check(loaded.recipe, result)
     return KilnError(message) if message else None
@@ -279,30 +355,22 @@ def render_summary(summary: RunSummary, console: Console) -> None:
     table = Table(title=f"kiln build {summary.recipe}", title_justify="left", box=None, pad_edge=False)
     for col in ("step", "status", "time", "output", "notes"):
         table.add_column(col, overflow="fold")
-    colours = {"ran": "green", "reused": "cyan", "skipped": "cyan", "failed": "red", "not built": "yellow", "not run": "dim"}
+    colours = {Status.RAN: "green", Status.REUSED: "cyan", Status.SKIPPED: "cyan", Status.FAILED: "red",
+               Status.NOT_RUN: "dim"}
     for o in summary.outcomes:
-        notes = o.message or _headline(o.result)
+        notes = o.message or (o.result.headline() if o.result is not None else "")
         table.add_row(o.name, f"[{colours.get(o.status, 'white')}]{o.status}[/]",
-                      f"{o.seconds:.1f}s" if o.status in ("ran", "reused") else "", str(o.out_dir or ""), notes)
+                      f"{o.seconds:.1f}s" if o.status in (Status.RAN, Status.REUSED) else "", str(o.out_dir or ""),
+                      notes)
     console.print(table)
     console.print(f"total {summary.seconds:.1f}s", style="dim")
-
-
-def _headline(result: dict) -> str:
-    headline = result.get("summary")
-    if isinstance(headline, str):
-        return headline
-    keys = [k for k, v in result.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)][:4]
-    return ", ".join(f"{k}={_fmt(result[k])}" for k in keys)
-
-
-def _fmt(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def summary_json(summary: RunSummary) -> str:
     return json.dumps({"recipe": summary.recipe, "seconds": summary.seconds,
                        "failure": str(summary.failure) if summary.failure else None,
-                       "steps": [{"name": o.name, "status": o.status, "seconds": o.seconds,
-                                  "output": str(o.out_dir) if o.out_dir else None, "result": o.result,
+                       "steps": [{"name": o.name, "status": o.status.value, "seconds": o.seconds,
+                                  "output": str(o.out_dir) if o.out_dir else None,
+                                  "result": o.result.model_dump(mode="json") if o.result is not None else {},
+                                  "reused_from": str(o.reused_from) if o.reused_from else None,
                                   "message": o.message} for o in summary.outcomes]}, indent=2, default=str)

@@ -10,6 +10,7 @@ from kiln.plan.model import (
     shipped_model_ids,
 )
 from kiln.plan.planner import Plan, PlanInputs, make_plan, resolve_gpu, valid_tp_sizes
+from kiln.plan.recipe import plan_for, plan_gpu, plan_inputs, recipe_model_config
 from kiln.plan.render import render_plan
 
 __all__ = [
@@ -22,6 +23,10 @@ __all__ = [
     "load_model_config",
     "make_plan",
     "parse_model_config",
+    "plan_for",
+    "plan_gpu",
+    "plan_inputs",
+    "recipe_model_config",
     "render_plan",
     "resolve_gpu",
     "shipped_model_config",

@@ -1,13 +1,16 @@
-"""What every pipeline step declares and receives.
+"""What every pipeline step declares and receives: its contract.
 
-A step is a plain function ``fn(ctx: StepContext) -> dict``. It writes its outputs under ``ctx.out_dir`` (a
-temporary directory the pipeline renames into place only when the step returns) and returns a small
-JSON-able result that goes into the step's manifest (and the end-of-run summary). It reads upstream
-artifacts from ``ctx.inputs[step_name]`` (their final, complete directories) and never writes there.
+A step is a plain function ``fn(ctx: StepContext) -> R`` where ``R`` is the step's own result type (a frozen
+pydantic model, a :class:`StepResult`). It writes its outputs under ``ctx.out_dir`` (a temporary directory the
+pipeline renames into place only when the step returns) and returns its result, which goes into the step's
+manifest (and the end-of-run summary). It reads upstream artifacts from ``ctx.inputs[step_name]`` (their final,
+complete directories) and upstream results with ``ctx.result(ResultType)``; it never writes upstream.
 
-The :class:`StepSpec` declares what the step's fingerprint covers: the recipe keys that change its output
-(`keys`, dotted prefixes) minus those that do not (`ignore`), the upstream steps it consumes (`after`), the
-packages whose versions matter (`tools`), and the content hashes of external input files (`input_hashes`).
+The :class:`StepSpec` declares the contract: the result type; the files a complete output must hold
+(:meth:`StepSpec.required_files`, enforced by ``read_manifest``); and what the step's fingerprint covers —
+the recipe keys that change its output (`keys`, dotted prefixes) minus those that do not (`ignore`), the
+upstream steps it consumes (`after`), the packages whose versions matter (`tools`), the content hashes of
+external input files (`input_hashes`) and, for steps whose output depends on it, the GPU it runs on.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Generic, Iterable, Iterator, Optional, TypeVar, Union
 
+from pydantic import BaseModel, ConfigDict
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -26,6 +30,22 @@ from kiln.recipe.schema import Recipe
 T = TypeVar("T")
 
 
+class StepResult(BaseModel):
+    """Base of every step's result: a frozen, strict record (unknown fields are errors), stored as JSON in the
+    step's manifest and validated again when a later run reuses the stored output."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    summary: str = ""
+    """One line for the end-of-run summary."""
+
+    def headline(self) -> str:
+        return self.summary
+
+
+R = TypeVar("R", bound=StepResult)
+
+
 @dataclass
 class StepContext:
     """Everything a step function may use."""
@@ -33,7 +53,7 @@ class StepContext:
     loaded: LoadedRecipe
     out_dir: Path
     inputs: dict[str, Path] = field(default_factory=dict)
-    results: dict[str, dict] = field(default_factory=dict)
+    results: dict[str, StepResult] = field(default_factory=dict)
     console: Console = field(default_factory=lambda: Console(stderr=True))
     show_progress: bool = True
     final_dir: Optional[Path] = None
@@ -44,6 +64,14 @@ class StepContext:
     @property
     def recipe(self) -> Recipe:
         return self.loaded.recipe
+
+    def result(self, kind: type[R]) -> R:
+        """The result of the upstream step whose result type is ``kind``; KeyError when that step is not an
+        input of this one (a contract error: declare it in ``after``)."""
+        for value in self.results.values():
+            if isinstance(value, kind):
+                return value
+        raise KeyError(f"no upstream result of type {kind.__name__}: declare its step in StepSpec.after")
 
     def log(self, message: str) -> None:
         self.console.print(message, markup=False, highlight=False)
@@ -70,29 +98,47 @@ class StepContext:
             yield
 
 
+Files = Union[tuple[str, ...], Callable[[Recipe], tuple[str, ...]]]
+
+
 @dataclass(frozen=True)
-class StepSpec:
-    """A step's declaration: its function and everything its fingerprint covers."""
+class StepSpec(Generic[R]):
+    """A step's declaration: its function, its result type, the files it must produce, and everything its
+    fingerprint covers."""
 
     name: str
-    fn: Callable[[StepContext], dict]
+    fn: Callable[[StepContext], R]
+    result: type[R]
+    """The step's result type: what ``fn`` returns and what its manifest's ``result`` must validate as."""
     keys: tuple[str, ...]
+    files: Files = ()
+    """Files (relative paths) a complete output must hold, besides the manifest; a function of the recipe where
+    they depend on it (e.g. the engine only for target tensorrt). ``read_manifest`` refuses an output whose
+    manifest does not list them all."""
     ignore: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
     tools: tuple[str, ...] = ()
     input_hashes: Optional[Callable[[LoadedRecipe], dict[str, str]]] = None
-    gpu_arch: bool = False
+    gpu_dependent: Optional[Callable[[Recipe], bool]] = None
+    """When given and true for the recipe, the fingerprint covers the GPU the step runs on (``hardware.gpu``
+    when declared, else the GPU detected here)."""
     describe: Optional[Callable[[LoadedRecipe], list[str]]] = None
     """Extra lines for --dry-run (e.g. the exact trtllm-build invocation)."""
     output_dir: Optional[Callable[[LoadedRecipe, Path], Path]] = None
-    """Where the final output lives, given the recipe and the build dir (default: build/<recipe>/<step>)."""
-    files_checked: tuple[str, ...] = ()
-    """Files (relative paths) a complete output must contain, besides the manifest."""
-    check: Optional[Callable[[Recipe, dict], Optional[str]]] = None
+    """Where the final output lives, given the recipe and the repository root (default: build/<recipe>/<step>)."""
+    check: Optional[Callable[[Recipe, R], Optional[str]]] = None
     """Re-checked on every run, also when the step is skipped (e.g. the quality gate on the stored result):
     returns a failure message or None. Fields it reads are left out of the fingerprint."""
 
+    def required_files(self, recipe: Recipe) -> tuple[str, ...]:
+        return self.files(recipe) if callable(self.files) else self.files
 
-def step_result(**values: Any) -> dict:
-    """A step's result, JSON-able (Paths become strings)."""
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in values.items()}
+    def load_result(self, stored: Any) -> Optional[R]:
+        """A stored result validated as this step's result type; None when it does not validate (an output
+        written by another version of the step, which is then re-run rather than trusted)."""
+        from pydantic import ValidationError
+
+        try:
+            return self.result.model_validate(stored)
+        except ValidationError:
+            return None

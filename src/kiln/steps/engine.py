@@ -18,13 +18,14 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from kiln.recipe.gpus import detect_gpus, lookup_gpu
 from kiln.recipe.loader import LoadedRecipe
 from kiln.recipe.rules import FORMAT_LABEL, FORMAT_MIN_SM, REFUSED_ON_BLACKWELL
 from kiln.recipe.schema import Recipe
-from kiln.steps.base import StepContext, StepSpec, step_result
+from kiln.steps.base import StepContext, StepResult, StepSpec
+from kiln.steps.resolve import ResolveResult
 from kiln.util.errors import KilnError
 
 CHECKPOINT_SUBDIR = "trtllm_checkpoint"  # inside the quantize step's output
@@ -175,12 +176,21 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def build_engine(ctx: StepContext) -> dict:
+class EngineResult(StepResult):
+    """Which runtime serves the model, and for a TensorRT-LLM engine the versions it was built with (an engine
+    only loads in a container with the same TensorRT-LLM and TensorRT)."""
+
+    runtime: Literal["reference", "tensorrt"]
+    tensorrt_llm: Optional[str] = None
+    tensorrt: Optional[str] = None
+
+
+def build_engine(ctx: StepContext) -> EngineResult:
     r = ctx.recipe
     if r.target == "reference":
         (ctx.out_dir / "engine.json").write_text(json.dumps({"runtime": "reference", "note": REFERENCE_NOTE}, indent=2))
-        return step_result(summary="no engine (reference target: the CPU reference runtime serves the checkpoint)",
-                           runtime="reference")
+        return EngineResult(summary="no engine (reference target: the CPU reference runtime serves the checkpoint)",
+                            runtime="reference")
     reason = why_not_buildable(r)
     if reason is not None:
         raise KilnError(f"cannot build the TensorRT engine: {reason}")
@@ -203,7 +213,7 @@ def build_engine(ctx: StepContext) -> dict:
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-20:])
         raise KilnError(f"trtllm-build failed (exit {proc.returncode}); last lines of {log}:\n{tail}")
     engine_cfg = json.loads((engine_dir / "config.json").read_text())
-    resolved_seq = ctx.results.get("resolve", {}).get("max_seq_len")
+    resolved_seq = ctx.result(ResolveResult).max_seq_len
     mismatches = verify_engine_config(r, engine_cfg, resolved_seq)
     if mismatches:
         raise KilnError("the engine does not match the recipe:\n  " + "\n  ".join(mismatches))
@@ -214,8 +224,8 @@ def build_engine(ctx: StepContext) -> dict:
     versions = _versions()
     (ctx.out_dir / "engine.json").write_text(json.dumps({"runtime": "tensorrt", **versions,
                                                          "command": cmd}, indent=2))
-    return step_result(summary=f"engine built with TensorRT-LLM {versions['tensorrt_llm']}", runtime="tensorrt",
-                       **versions)
+    return EngineResult(summary=f"engine built with TensorRT-LLM {versions['tensorrt_llm']}", runtime="tensorrt",
+                        **versions)
 
 
 def describe(loaded: LoadedRecipe) -> list[str]:
@@ -230,13 +240,23 @@ def describe(loaded: LoadedRecipe) -> list[str]:
     return lines
 
 
+def required_files(recipe: Recipe) -> tuple[str, ...]:
+    """engine.json always; for target tensorrt also the engine's config.json and one engine file per rank."""
+    if recipe.target != "tensorrt":
+        return ("engine.json",)
+    ranks = recipe.parallelism.tp * recipe.parallelism.pp
+    return ("engine.json", f"{ENGINE_SUBDIR}/config.json") + tuple(f"{ENGINE_SUBDIR}/rank{r}.engine"
+                                                                    for r in range(ranks))
+
+
 SPEC = StepSpec(
     name="engine",
     fn=build_engine,
+    result=EngineResult,
     keys=("engine", "parallelism", "target", "hardware.gpu"),
-    after=("quantize",),
+    files=required_files,
+    after=("resolve", "quantize"),
     tools=("tensorrt_llm", "tensorrt"),
-    gpu_arch=True,
+    gpu_dependent=lambda recipe: recipe.target == "tensorrt",
     describe=describe,
-    files_checked=("engine.json",),
 )

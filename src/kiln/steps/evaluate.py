@@ -25,7 +25,7 @@ from kiln.models.data import batches, content_hash, load_texts, tokenize_samples
 from kiln.models.loading import load_model, load_tokenizer, read_config, resolve_dtype
 from kiln.recipe.loader import LoadedRecipe
 from kiln.recipe.schema import Recipe
-from kiln.steps.base import StepContext, StepSpec, step_result
+from kiln.steps.base import StepContext, StepResult, StepSpec
 from kiln.steps.quantize import CHECKPOINT_DIR, MODELOPT_STATE, QUANT_RECORD, RESTORE_CHECK, quiet_stdout
 from kiln.util.errors import KilnError
 
@@ -39,26 +39,47 @@ _GENTLER = {
 }  # fmt: skip
 
 
+class EvaluateResult(StepResult):
+    """The quality figures (absent when evaluation is off): perplexity of both models, its relative increase,
+    and the mean per-token KL divergence."""
+
+    skipped: bool = False
+    format: Optional[str] = None
+    kv_cache: Optional[str] = None
+    dataset: Optional[str] = None
+    samples: Optional[int] = None
+    tokens: Optional[int] = None
+    base_perplexity: Optional[float] = None
+    quant_perplexity: Optional[float] = None
+    ppl_increase_pct: Optional[float] = None
+    mean_kl: Optional[float] = None
+    seconds: Optional[float] = None
+
+    def figures(self) -> dict:
+        """The measured figures (no summary, nothing unset): what kiln.json and sweep tables show."""
+        return self.model_dump(exclude={"summary", "skipped"}, exclude_none=True)
+
+
 def evaluate_input_hashes(loaded: LoadedRecipe) -> dict[str, str]:
     ev = loaded.recipe.evaluation
     return {"evaluation": content_hash(ev, "evaluation")} if ev.enabled else {}
 
 
-def check_gate(recipe: Recipe, result: dict) -> Optional[str]:
+def check_gate(recipe: Recipe, result: EvaluateResult) -> Optional[str]:
     """A message when the stored evaluation figures fail the recipe's quality gate, else None."""
-    if not result or result.get("skipped"):
+    if result.skipped:
         return None
     ev = recipe.evaluation
-    fmt = result.get("format") or recipe.quantization.format
+    fmt = result.format or recipe.quantization.format
     gentler = _GENTLER.get(fmt)
     advice = f"pick a gentler format (e.g. {gentler})" if gentler else "pick a gentler format"
     failures = []
-    pct = result.get("ppl_increase_pct")
+    pct = result.ppl_increase_pct
     if ev.max_ppl_increase_pct is not None and pct is not None and pct > ev.max_ppl_increase_pct:
         failures.append(
-            f"perplexity rose {_pct(pct)}% ({result['base_perplexity']:.2f} → {result['quant_perplexity']:.2f}), "
+            f"perplexity rose {_pct(pct)}% ({result.base_perplexity:.2f} → {result.quant_perplexity:.2f}), "
             f"gate is {ev.max_ppl_increase_pct:g}%: raise evaluation.max_ppl_increase_pct or {advice}")
-    kl = result.get("mean_kl")
+    kl = result.mean_kl
     if ev.max_kl is not None and kl is not None and kl > ev.max_kl:
         failures.append(f"mean KL divergence is {kl:.4g} nats per token, gate is {ev.max_kl:g}: "
                         f"raise evaluation.max_kl or {advice}")
@@ -121,7 +142,7 @@ def _nll_and_kl(base_logits: Any, quant_logits: Any, ids: Any, mask: Any) -> tup
     return (float(nll_b[valid].sum()), float(nll_q[valid].sum()), float(kl[valid].sum()), int(valid.sum()))
 
 
-def evaluate(ctx: StepContext) -> dict:
+def evaluate(ctx: StepContext) -> EvaluateResult:
     """Measure perplexity and KL of the quantized model against the unquantized one; write quality.json."""
     started = time.perf_counter()
     recipe = ctx.recipe
@@ -130,7 +151,7 @@ def evaluate(ctx: StepContext) -> dict:
     if not ev.enabled:
         _write_quality(out, {"skipped": True, "reason": "evaluation.enabled is false"})
         ctx.log("  evaluation skipped (evaluation.enabled: false): no quality gate")
-        return step_result(skipped=True)
+        return EvaluateResult(summary="evaluation off (evaluation.enabled: false): no quality gate", skipped=True)
 
     quant_dir = ctx.inputs.get("quantize")
     if quant_dir is None:
@@ -189,7 +210,7 @@ def evaluate(ctx: StepContext) -> dict:
     _print_table(ctx, figures, recipe)
     summary = (f"ppl {figures['base_perplexity']:.3f} → {figures['quant_perplexity']:.3f} "
                f"({figures['ppl_increase_pct']:+.2f}%), KL {figures['mean_kl']:.5f}")
-    return step_result(summary=summary, **figures)
+    return EvaluateResult(summary=summary, **figures)
 
 
 def _print_table(ctx: StepContext, f: dict, recipe: Recipe) -> None:
@@ -214,11 +235,12 @@ def _print_table(ctx: StepContext, f: dict, recipe: Recipe) -> None:
 SPEC = StepSpec(
     name="evaluate",
     fn=evaluate,
+    result=EvaluateResult,
     keys=("evaluation",),
     ignore=("evaluation.max_ppl_increase_pct", "evaluation.max_kl"),
     after=("quantize",),
     tools=("nvidia-modelopt", "torch", "transformers"),
     input_hashes=evaluate_input_hashes,
-    files_checked=(QUALITY_FILE,),
+    files=(QUALITY_FILE,),
     check=check_gate,
 )

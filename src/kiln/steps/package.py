@@ -10,7 +10,9 @@ from typing import Optional
 
 from kiln.recipe.loader import LoadedRecipe, load_recipe
 from kiln.recipe.schema import HF_PREFIX, Recipe
-from kiln.steps.base import StepContext, StepSpec, step_result
+from kiln.steps.base import StepContext, StepResult, StepSpec
+from kiln.steps.evaluate import EvaluateResult
+from kiln.steps.resolve import ResolveResult
 from kiln.steps.engine import ENGINE_SUBDIR
 from kiln.triton.lint import lint_repository
 from kiln.triton.repository import RepoInputs, standin_engine_config, write_repository
@@ -58,13 +60,21 @@ def _draft_inputs(ctx: StepContext, scratch: Path, max_seq_len: int) -> Optional
                       q / CHECKPOINT)
 
 
-def package(ctx: StepContext) -> dict:
+class PackageResult(StepResult):
+    """The repository written: how many models, the serving container (tensorrt target) and the deploy files."""
+
+    models: int
+    container: str
+    deploy: str
+
+
+def package(ctx: StepContext) -> PackageResult:
     r = ctx.recipe
     quantize_dir, build_dir = ctx.inputs["quantize"], ctx.inputs["engine"]
-    max_seq_len = int(ctx.results.get("resolve", {}).get("max_seq_len") or r.engine.max_seq_len or r.engine.max_input_len)
+    max_seq_len = int(ctx.result(ResolveResult).max_seq_len or r.engine.max_seq_len or r.engine.max_input_len)
     engine_info = json.loads((build_dir / "engine.json").read_text())
     versions = {k: engine_info[k] for k in ("tensorrt_llm", "tensorrt") if k in engine_info}
-    quality = ctx.results.get("evaluate")
+    quality = ctx.result(EvaluateResult)
     with tempfile.TemporaryDirectory(prefix="kiln-package-") as scratch_name:
         scratch = Path(scratch_name)
         inputs = RepoInputs(
@@ -72,7 +82,7 @@ def package(ctx: StepContext) -> dict:
             engine_dir=_engine_dir(r, build_dir, quantize_dir, max_seq_len, scratch, "engine"),
             checkpoint_dir=quantize_dir / CHECKPOINT, fingerprint=ctx.fingerprint,
             versions=versions, draft=_draft_inputs(ctx, scratch, max_seq_len),
-            quality={k: v for k, v in (quality or {}).items() if isinstance(v, (int, float, str))} or None)
+            quality=quality.figures() or None)
         with ctx.status("writing the Triton repository"):
             info = write_repository(inputs, ctx.out_dir, max_seq_len)
     findings = lint_repository(ctx.out_dir)
@@ -80,10 +90,10 @@ def package(ctx: StepContext) -> dict:
     if errors:
         raise KilnError("the packaged repository fails kiln lint:\n  " + "\n  ".join(f.format() for f in errors))
     deploy_files = _write_deploy(ctx, info)
-    return step_result(summary=f"{len(info['models'])} models, lint clean"
-                       + (f", container {info['container']}" if info["container"] else ", reference runtime (CPU)"),
-                       models=len(info["models"]), container=info["container"] or "",
-                       deploy=str(deploy_files) if deploy_files else "")
+    return PackageResult(summary=f"{len(info['models'])} models, lint clean"
+                         + (f", container {info['container']}" if info["container"] else ", reference runtime (CPU)"),
+                         models=len(info["models"]), container=info["container"] or "",
+                         deploy=str(deploy_files) if deploy_files else "")
 
 
 def _write_deploy(ctx: StepContext, info: dict) -> Optional[Path]:
@@ -121,13 +131,22 @@ def _output_dir(loaded: LoadedRecipe, repo_root: Path) -> Path:
     return repo_root / loaded.recipe.name
 
 
+def required_files(recipe: Recipe) -> tuple[str, ...]:
+    """kiln.json and every model's config.pbtxt (the draft model's too for draft+target decoding)."""
+    models = ["preprocessing", "tensorrt_llm", "postprocessing", "ensemble", "tensorrt_llm_bls"]
+    if recipe.engine.speculative.mode == "draft_tokens_external" and recipe.engine.speculative.draft_recipe:
+        models.append("tensorrt_llm_draft")
+    return ("kiln.json",) + tuple(f"{m}/config.pbtxt" for m in models)
+
+
 SPEC = StepSpec(
     name="package",
     fn=package,
+    result=PackageResult,
     keys=("serving", "engine", "target", "model.dtype", "hardware.gpus_per_node", "parallelism"),
+    files=required_files,
     after=("resolve", "quantize", "evaluate", "engine"),
     tools=("tritonclient",),
     input_hashes=_sources_hash,
     output_dir=_output_dir,
-    files_checked=("kiln.json",),
 )

@@ -46,7 +46,7 @@ from kiln.models.loading import (
 )
 from kiln.recipe.loader import LoadedRecipe
 from kiln.recipe.schema import Recipe
-from kiln.steps.base import StepContext, StepSpec, step_result
+from kiln.steps.base import StepContext, StepResult, StepSpec
 from kiln.util.errors import InputError, KilnError
 
 if TYPE_CHECKING:
@@ -324,7 +324,26 @@ def _probe_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids.to(device), use_cache=False).logits.float().cpu()
 
 
-def quantize(ctx: StepContext) -> dict:
+class QuantizeResult(StepResult):
+    """What was quantized and how: the format, the checkpoint formats written, and the time each phase took."""
+
+    format: str
+    kv_cache: str
+    quant_algo: Optional[str]
+    kv_cache_quant_algo: Optional[str]
+    dtype: str
+    calib_samples: int
+    calib_data: Optional[str]
+    params: int
+    checkpoint: str
+    trtllm_checkpoint: Optional[str]
+    load_seconds: float
+    calib_seconds: float
+    export_seconds: float
+    seconds: float
+
+
+def quantize(ctx: StepContext) -> QuantizeResult:
     """Calibrate and export the recipe's model into ``ctx.out_dir`` (see the module docstring)."""
     started = time.perf_counter()
     recipe = ctx.recipe
@@ -407,7 +426,7 @@ def quantize(ctx: StepContext) -> dict:
     (ckpt / QUANT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     del model  # refcounting frees it; a full gc.collect() here costs more than a small model's calibration
     label = q.format + (f" + {q.kv_cache} KV" if q.kv_cache != "none" else "")
-    return step_result(
+    return QuantizeResult(
         summary=f"{label} (quant_algo {quant_algo}), {len(samples)} calibration samples, {info.parameters:,} params",
         format=q.format, kv_cache=q.kv_cache, quant_algo=quant_algo, kv_cache_quant_algo=kv_algo, dtype=dtype,
         calib_samples=len(samples), calib_data=data_hash, params=info.parameters, checkpoint=CHECKPOINT_DIR,
@@ -515,9 +534,15 @@ def check_trtllm_checkpoint(export_dir: Path, fmt: str, kv: str,
     return got_algo, got_kv
 
 
-def _files_checked() -> tuple[str, ...]:
-    return (f"{CHECKPOINT_DIR}/config.json", f"{CHECKPOINT_DIR}/{MODELOPT_STATE}", f"{CHECKPOINT_DIR}/{QUANT_RECORD}",
-            RESTORE_CHECK)
+def required_files(recipe: Recipe) -> tuple[str, ...]:
+    """Files a complete quantize output holds: the checkpoint with its ModelOpt state and record, the restore
+    probe, and for target tensorrt the TensorRT-LLM checkpoint's config and every rank's weights."""
+    files = (f"{CHECKPOINT_DIR}/config.json", f"{CHECKPOINT_DIR}/{MODELOPT_STATE}", f"{CHECKPOINT_DIR}/{QUANT_RECORD}",
+             RESTORE_CHECK)
+    if recipe.target == "tensorrt":
+        ranks = recipe.parallelism.tp * recipe.parallelism.pp
+        files += (f"{TRTLLM_DIR}/config.json",) + tuple(f"{TRTLLM_DIR}/rank{r}.safetensors" for r in range(ranks))
+    return files
 
 
 def describe(loaded: LoadedRecipe) -> list[str]:
@@ -542,9 +567,10 @@ def describe(loaded: LoadedRecipe) -> list[str]:
 SPEC = StepSpec(
     name="quantize",
     fn=quantize,
+    result=QuantizeResult,
     keys=("model", "quantization", "parallelism", "target"),
     tools=("nvidia-modelopt", "torch", "transformers"),
     input_hashes=quantize_input_hashes,
     describe=describe,
-    files_checked=_files_checked(),
+    files=required_files,
 )

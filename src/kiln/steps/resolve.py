@@ -16,44 +16,8 @@ from kiln.recipe.errors import Problem
 from kiln.recipe.loader import LoadedRecipe
 from kiln.recipe.render import recipe_yaml
 from kiln.recipe.schema import BUILTIN_PREFIX, HF_PREFIX
-from kiln.steps.base import StepContext, StepSpec, step_result
+from kiln.steps.base import StepContext, StepResult, StepSpec
 from kiln.util.errors import InputError
-
-
-def model_config(loaded: LoadedRecipe) -> Optional[dict]:
-    """The model's HF config without loading weights or downloading: a local/built-in config.json, or the
-    config shipped with kiln for known hub models. None when unknown without a download."""
-    source = loaded.recipe.model.source
-    if source.startswith(HF_PREFIX):
-        from kiln.plan import shipped_model_config
-
-        return shipped_model_config(source)
-    if source.startswith(BUILTIN_PREFIX):
-        from kiln.models.tiny import ensure_tiny_llama
-
-        path = ensure_tiny_llama(progress=False) / "config.json"
-    else:
-        path = Path(source) / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def plan_inputs(recipe, config: dict, max_seq_len: Optional[int] = None):
-    """The planner's inputs for a recipe and its model config."""
-    from kiln.plan import PlanInputs
-
-    q, b, s = recipe.quantization, recipe.engine, recipe.serving
-    dtype = recipe.model.dtype if recipe.model.dtype != "auto" else str(config.get("torch_dtype") or "float16")
-    seq = max_seq_len or b.max_seq_len or int(config.get("max_position_embeddings") or b.max_input_len)
-    return PlanInputs(model_config=config, weight_format=q.format, kv_cache=q.kv_cache, dtype=dtype,
-                      exclude_modules=tuple(q.exclude_modules), awq_block_size=q.awq_block_size,
-                      tp=recipe.parallelism.tp, pp=recipe.parallelism.pp, max_batch_size=b.max_batch_size,
-                      max_input_len=b.max_input_len, max_seq_len=seq + b.speculative.max_draft_len,
-                      max_num_tokens=b.max_num_tokens, tokens_per_block=b.tokens_per_block,
-                      kv_cache_free_gpu_mem_fraction=s.kv_cache_free_gpu_mem_fraction,
-                      max_tokens_in_paged_kv_cache=s.max_tokens_in_paged_kv_cache)
 
 
 def fit_warnings(loaded: LoadedRecipe) -> list[Problem]:
@@ -61,16 +25,16 @@ def fit_warnings(loaded: LoadedRecipe) -> list[Problem]:
     r = loaded.recipe
     if r.target != "tensorrt" or not r.hardware.gpu:
         return []
-    from kiln.plan import PlanError, make_plan
+    from kiln.plan import PlanError, plan_for
     from kiln.recipe.gpus import lookup_gpu
 
-    gpu = lookup_gpu(r.hardware.gpu)
-    cfg = model_config(loaded)
-    if gpu is None or cfg is None:
-        return []
+    if lookup_gpu(r.hardware.gpu) is None:
+        return []  # the recipe rules already report the unknown GPU
     try:
-        result = make_plan(plan_inputs(r, cfg), gpu, r.hardware.count)
+        result = plan_for(loaded)
     except PlanError as exc:
+        if "no model config" in str(exc):
+            return []
         return [Problem("warning", "model.source", f"cannot plan memory: {exc}", loaded.origin_of("model.source"))]
     if result.fits:
         return []
@@ -78,7 +42,18 @@ def fit_warnings(loaded: LoadedRecipe) -> list[Problem]:
                     "; ".join(result.advice))]
 
 
-def resolve(ctx: StepContext) -> dict:
+class ResolveResult(StepResult):
+    """What resolve pinned down: the model directory (None for hub models, downloaded by quantize), the
+    sequence limit, and the GPU (named by the recipe or detected here)."""
+
+    model_dir: Optional[str]
+    max_seq_len: Optional[int]
+    gpu: Optional[str]
+    gpu_count: Optional[int]
+    gpu_detected: bool = False
+
+
+def resolve(ctx: StepContext) -> ResolveResult:
     r = ctx.recipe
     source = r.model.source
     if source.startswith(BUILTIN_PREFIX):
@@ -93,7 +68,9 @@ def resolve(ctx: StepContext) -> dict:
         if not (model_dir / "config.json").is_file():
             raise InputError(f"model.source: {source} is not a Hugging Face model directory (no config.json); "
                              "give a directory made by save_pretrained, hf:org/name, or builtin:tiny-llama")
-    cfg = model_config(ctx.loaded)
+    from kiln.plan import recipe_model_config
+
+    cfg = recipe_model_config(ctx.loaded)
     max_pos = (cfg or {}).get("max_position_embeddings")
     max_seq_len = r.engine.max_seq_len or max_pos
     if max_pos and r.engine.max_input_len > max_pos:
@@ -113,15 +90,16 @@ def resolve(ctx: StepContext) -> dict:
     info = {"model_dir": str(model_dir) if model_dir else None, "model_config": cfg, "max_seq_len": max_seq_len,
             "gpu": gpu, "gpu_count": count, "gpu_detected": detected, "fit_warnings": fit}
     (ctx.out_dir / "resolved.json").write_text(json.dumps(info, indent=2))
-    return step_result(summary=f"model {source}, max_seq_len {max_seq_len}, gpu {gpu or 'none'}"
-                       + (" (detected)" if detected else ""), model_dir=model_dir, max_seq_len=max_seq_len,
-                       gpu=gpu, gpu_count=count)
+    return ResolveResult(summary=f"model {source}, max_seq_len {max_seq_len}, gpu {gpu or 'none'}"
+                         + (" (detected)" if detected else ""), model_dir=str(model_dir) if model_dir else None,
+                         max_seq_len=max_seq_len, gpu=gpu, gpu_count=count, gpu_detected=detected)
 
 
 SPEC = StepSpec(
     name="resolve",
     fn=resolve,
+    result=ResolveResult,
     keys=("model", "engine.max_seq_len", "engine.max_input_len", "hardware", "target"),
     input_hashes=lambda loaded: {"model": model_source_hash(loaded.recipe.model.source)},
-    files_checked=("recipe.yaml", "resolved.json"),
+    files=("recipe.yaml", "resolved.json"),
 )

@@ -13,22 +13,33 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 MANIFEST = "manifest.json"
 TMP_MARK = ".tmp-"
 OLD_MARK = ".old-"
 
 
-def read_manifest(out_dir: Path) -> Optional[dict[str, Any]]:
-    """The manifest of a complete output, or None (missing, unreadable, incomplete, files missing)."""
+def read_manifest(out_dir: Path, required: Iterable[str] = ()) -> Optional[dict[str, Any]]:
+    """The manifest of a complete output, or None.
+
+    None when the manifest is missing, unreadable or not marked complete; when a file it lists is missing or
+    has another size; or when a file in ``required`` (the files the step's contract says a complete output
+    holds) is not among the files the manifest lists — a manifest written before the step's files is never
+    taken for a complete output.
+    """
     try:
         manifest = json.loads((out_dir / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(manifest, dict) or manifest.get("complete") is not True:
         return None
-    for rel, size in manifest.get("files", {}).items():
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return None
+    if any(rel not in files for rel in required):
+        return None
+    for rel, size in files.items():
         try:
             if (out_dir / rel).stat().st_size != size:
                 return None
@@ -53,14 +64,22 @@ def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
     os.replace(tmp, out_dir / MANIFEST)
 
 
-def sweep_leftovers(final: Path) -> None:
-    """Remove temp/old siblings of `final` left by a crashed run (call while holding the build lock)."""
-    parent = final.parent
+def leftovers(parent: Path, names: Iterable[str]) -> list[Path]:
+    """Temp and old outputs (``.<name>.tmp-*``, ``.<name>.old-*``) of the outputs called ``names`` under
+    ``parent``: what a killed writer left behind. Call while holding the build lock that every writer of those
+    outputs holds, so none of them is still being written."""
     if not parent.is_dir():
-        return
-    for p in parent.iterdir():
-        if p.name.startswith("." + final.name + TMP_MARK) or p.name.startswith("." + final.name + OLD_MARK):
-            shutil.rmtree(p, ignore_errors=True)
+        return []
+    prefixes = tuple(f".{n}{mark}" for n in names for mark in (TMP_MARK, OLD_MARK))
+    return sorted(p for p in parent.iterdir() if p.name.startswith(prefixes))
+
+
+def sweep_leftovers(final: Path) -> list[Path]:
+    """Remove temp/old siblings of `final` left by a crashed run (call while holding the build lock)."""
+    found = leftovers(final.parent, [final.name])
+    for p in found:
+        shutil.rmtree(p, ignore_errors=True)
+    return found
 
 
 @contextlib.contextmanager
