@@ -1,4 +1,4 @@
-"""`kiln bench`'s engine (kiln.serve.bench).
+"""`kiln bench`'s engine (the kiln.serve.bench package).
 
 Unit tests check the settings, prompts, statistics and the planner comparison without a server. Integration
 tests start a real tritonserver (the nvidia-pytriton one) on a repository holding kiln bench's deterministic
@@ -25,8 +25,6 @@ from kiln.serve.bench import (
     BenchError,
     BenchReport,
     Level,
-    _Outcome,
-    _Recorder,
     compare_with_plan,
     format_comparison,
     format_report,
@@ -37,6 +35,7 @@ from kiln.serve.bench import (
     synthetic_prompts,
     write_mock_repository,
 )
+from kiln.serve.bench.stats import Outcome, Recorder
 from kiln.util.errors import InputError
 
 OUT_LEN = 8
@@ -116,15 +115,15 @@ def test_bytes_tensor_parsing_matches_tritonclient() -> None:
     import numpy as np
     from tritonclient.utils import serialize_byte_tensor
 
-    from kiln.serve.bench import _join_bytes_tensor
+    from kiln.serve.bench.loadgen import join_bytes_tensor
 
     items = [b" ab", "é\u4e2d".encode(), b"", b"x" * 300]
     raw = serialize_byte_tensor(np.array([items], dtype=object)).item()
-    assert _join_bytes_tensor(raw) == b"".join(items)
+    assert join_bytes_tensor(raw) == b"".join(items)
 
 
-def _outcome(prompt: str, times: list[float], text: str, counts: list[int] | None = None) -> _Outcome:
-    return _Outcome(
+def _outcome(prompt: str, times: list[float], text: str, counts: list[int] | None = None) -> Outcome:
+    return Outcome(
         prompt=prompt,
         t_send=0.0,
         t_end=times[-1] + 0.001,
@@ -137,12 +136,12 @@ def _outcome(prompt: str, times: list[float], text: str, counts: list[int] | Non
 
 def test_recorder_statistics_mismatches_and_errors() -> None:
     cfg = BenchConfig(url="h:1", prompts=("p", "q"), expected={"p": "right"})
-    rec = _Recorder(cfg, Level("concurrency", 2), "responses")
+    rec = Recorder(cfg, Level("concurrency", 2), "responses")
     rec.t_start = 0.0
     rec.add(_outcome("p", [0.010, 0.020, 0.030], "right"))
     rec.add(_outcome("q", [0.020, 0.024], "anything"))  # no expected text for q: not checked
     rec.add(_outcome("p", [0.010, 0.020], "wrong"))
-    rec.add(_Outcome("q", 0.0, 0.5, error_kind="model", error="boom"))
+    rec.add(Outcome("q", 0.0, 0.5, error_kind="model", error="boom"))
     res = rec.result()
     assert res.completed == 2 and res.errors == 2 and res.mismatches == 1
     assert res.error_kinds == {"mismatch": 1, "model": 1}
@@ -156,7 +155,7 @@ def test_recorder_statistics_mismatches_and_errors() -> None:
 
 
 def test_recorder_divides_gaps_by_the_model_token_count() -> None:
-    rec = _Recorder(BenchConfig(url="h:1"), Level("concurrency", 1), "model")
+    rec = Recorder(BenchConfig(url="h:1"), Level("concurrency", 1), "model")
     rec.t_start = 0.0
     rec.add(_outcome("p", [0.010, 0.050], "t", counts=[1, 4]))
     res = rec.result()
@@ -165,7 +164,7 @@ def test_recorder_divides_gaps_by_the_model_token_count() -> None:
 
 
 def test_recorder_leaves_token_figures_empty_when_unknown() -> None:
-    rec = _Recorder(BenchConfig(url="h:1", streaming=False), Level("concurrency", 1), "unknown")
+    rec = Recorder(BenchConfig(url="h:1", streaming=False), Level("concurrency", 1), "unknown")
     rec.t_start = 0.0
     rec.add(_outcome("p", [0.030], "t"))
     res = rec.result()
@@ -184,7 +183,7 @@ def test_compare_with_plan_uses_the_decode_roofline() -> None:
         PlanInputs(model_config=shipped_model_config("hf:meta-llama/Llama-3.1-8B-Instruct"), weight_format="fp8"),
         resolve_gpu("h100"),
     )
-    rec = _Recorder(BenchConfig(url="h:1"), Level("concurrency", 4), "responses")
+    rec = Recorder(BenchConfig(url="h:1"), Level("concurrency", 4), "responses")
     rec.t_start = 0.0
     rec.add(_outcome("p", [0.010, 0.020, 0.030], "x"))
     level = rec.result()
@@ -196,16 +195,61 @@ def test_compare_with_plan_uses_the_decode_roofline() -> None:
     assert by_metric["output_tokens_per_s"].ideal == pytest.approx(point.tokens_per_s)
     assert by_metric["e2e_p50_ms"].ideal == pytest.approx(32 * point.step_ms)
     # A batch between two planner points is interpolated; a rate level has no ideal.
-    rec3 = _Recorder(BenchConfig(url="h:1"), Level("concurrency", 3), "responses")
+    rec3 = Recorder(BenchConfig(url="h:1"), Level("concurrency", 3), "responses")
     rec3.t_start = 0.0
     rec3.add(_outcome("p", [0.01, 0.02], "x"))
     lo, hi = (next(p for p in plan.limits.decode if p.batch == b) for b in (2, 4))
     row3 = compare_with_plan(_report([rec3.result()]), plan)[0]
     assert lo.step_ms < row3.ideal < hi.step_ms or lo.step_ms == hi.step_ms
-    rate = _Recorder(BenchConfig(url="h:1", rate=3.0), Level("rate", 3.0), "responses")
+    rate = Recorder(BenchConfig(url="h:1", rate=3.0), Level("rate", 3.0), "responses")
     rate.t_start = 0.0
     assert compare_with_plan(_report([rate.result()]), plan) == []
     assert "x ideal" in format_comparison(rows)
+
+
+def test_mock_expected_text_is_pinned() -> None:
+    # The mock's token algorithm (kiln/triton/models/mock_llm/mock_tokens.py), pinned: the served model and
+    # mock_expected_text both run that one module, so a change to it shows here first.
+    assert mock_expected_text("hello", 4) == " 7b16 3149 7269 2bc2"
+    assert mock_expected_text("Zürich", 2) == " f862 68ac"
+    assert mock_expected_text("hello", 0) == ""
+
+
+def test_mock_repository_ships_the_model_and_its_token_module(tmp_path: Path) -> None:
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    from kiln.triton.repository import models_source
+
+    repo = write_mock_repository(tmp_path / "repo", name="m", token_counts=True, final_with_last=True)
+    write_mock_repository(repo, name="e", ensemble=True, token_delay_ms=2.5, instances=2)
+    src = models_source()
+    for model in ("m", "e_pre", "e_generate", "e_post"):
+        version = repo / model / "1"
+        assert sorted(p.name for p in version.iterdir()) == ["kiln_triton_utils.py", "mock_tokens.py", "model.py"]
+        for name, source in (("model.py", src / "mock_llm" / "model.py"),
+                             ("mock_tokens.py", src / "mock_llm" / "mock_tokens.py"),
+                             ("kiln_triton_utils.py", src / "kiln_triton_utils.py")):
+            assert (version / name).read_bytes() == source.read_bytes(), (model, name)
+    configs = {}
+    for path in sorted(repo.glob("*/config.pbtxt")):
+        configs[path.parent.name] = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+    assert sorted(configs) == ["e", "e_generate", "e_post", "e_pre", "m"]
+    m = configs["m"]
+    assert m.model_transaction_policy.decoupled and m.max_batch_size == 64
+    assert [t.name for t in m.input] == ["text_input", "max_tokens", "stream", "return_num_output_tokens"]
+    assert [t.name for t in m.output] == ["text_output", "num_output_tokens"]
+    assert {k: v.string_value for k, v in m.parameters.items()} == {
+        "role": "llm", "token_delay_ms": "0.0", "compute_ms": "0.0", "final_with_last": "true"}
+    gen = configs["e_generate"]
+    assert gen.model_transaction_policy.decoupled and gen.instance_group[0].count == 2
+    assert gen.parameters["token_delay_ms"].string_value == "2.5"
+    assert not configs["e_pre"].model_transaction_policy.decoupled
+    steps = configs["e"].ensemble_scheduling.step
+    assert [s.model_name for s in steps] == ["e_pre", "e_generate", "e_post"]
+    assert dict(steps[1].input_map) == {"input_ids": "_ids", "input_lengths": "_lengths",
+                                        "request_output_len": "max_tokens", "streaming": "stream"}
+    assert (repo / "e" / "1").is_dir()
 
 
 # ============================================================================================== integration

@@ -343,7 +343,7 @@ def test_pods_follow_policy(case: tuple[DeployInfo, Path, list[Path]]) -> None:
         assert limits.get("nvidia.com/gpu") == (info.gpus_per_pod if info.gpu else None)
         assert "readinessProbe" in container and "livenessProbe" in container
         for var in container["env"]:
-            assert "value" not in var or not dp._SECRETISH_ENV.search(var["name"]), var
+            assert "value" not in var or not dp.SECRETISH_ENV.search(var["name"]), var
             if var["name"] == "HF_TOKEN":
                 assert var["valueFrom"] == {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN"}}
 

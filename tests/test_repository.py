@@ -3,9 +3,11 @@ Triton's real schema and lints clean; deliberately broken repositories produce t
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,14 @@ from kiln.cli.main import cli
 from kiln.recipe.catalog import configs_dir, list_recipes
 from kiln.recipe.loader import load_recipe, recipe_from_dict
 from kiln.triton.lint import lint_repository
-from kiln.triton.repository import RepoInputs, standin_engine_config, write_repository
+from kiln.triton.repository import (
+    SHARED_MODEL_MODULES,
+    RepoInputs,
+    install_python_model,
+    models_source,
+    standin_engine_config,
+    write_repository,
+)
 from kiln.triton.upstream import MODELS
 
 SHIPPED = [e.path for e in list_recipes(configs_dir())]
@@ -93,6 +102,7 @@ def test_every_shipped_recipe_packages_into_a_clean_repository(recipe_path, tmp_
         assert "${" not in p.read_text()
     findings = lint_repository(repo)
     assert [f.format() for f in findings if f.severity == "error"] == []
+    assert_python_models_shipped_whole(repo)
     info = json.loads((repo / "kiln.json").read_text())
     assert info["recipe"] == recipe.name and info["target"] == recipe.target
     trt = parse(repo / "tensorrt_llm" / "config.pbtxt")
@@ -129,6 +139,56 @@ def test_ensemble_keeps_the_client_contract(tmp_path, tokenizer_dir):
         assert inputs[name] == dtype
     assert "text_output" in {t.name for t in ens.output}
     assert [s.model_name for s in ens.ensemble_scheduling.step] == ["preprocessing", "tensorrt_llm", "postprocessing"]
+
+
+def assert_python_models_shipped_whole(repo: Path) -> list[str]:
+    """Every Python model's version directory holds the shared helper and every module its model.py imports
+    from kiln's model sources, each byte-identical to the source; no model imports kiln. Returns the models."""
+    src = models_source()
+    shipped = {p.name for p in src.rglob("*.py") if p.name != "__init__.py" and p.name != "model.py"}
+    python_models = [p.parent for p in repo.glob("*/config.pbtxt") if parse(p).backend == "python"]
+    for model in python_models:
+        version = model / "1"
+        for name in SHARED_MODEL_MODULES:
+            assert (version / name).read_bytes() == (src / name).read_bytes(), f"{model.name}: {name} differs"
+        tree = ast.parse((version / "model.py").read_text(encoding="utf-8"))
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert "kiln" not in imported, f"{model.name}/1/model.py imports kiln"
+        for module in sorted(imported & {Path(n).stem for n in shipped}):
+            copy = version / f"{module}.py"
+            assert copy.is_file(), f"{model.name}/1/model.py imports {module}, which is not shipped beside it"
+            source = next(p for p in src.rglob(f"{module}.py"))
+            assert copy.read_bytes() == source.read_bytes(), f"{model.name}: {module}.py differs from {source}"
+        model_py = next(p for p in src.glob("*/model.py") if p.read_bytes() == (version / "model.py").read_bytes())
+        assert model_py.parent.name in {"preprocessing", "postprocessing", "reference", "bls"}
+    return sorted(m.name for m in python_models)
+
+
+def test_every_python_model_ships_with_its_helper_byte_identical(tmp_path, tokenizer_dir):
+    recipe = load_recipe(configs_dir() / "tiny-llama.yaml").recipe  # reference target: four Python models
+    repo = make_repo(recipe, tmp_path, tokenizer_dir)
+    models = assert_python_models_shipped_whole(repo)
+    assert models == ["postprocessing", "preprocessing", "tensorrt_llm", "tensorrt_llm_bls"]
+    helper = repo / "preprocessing" / "1" / "kiln_triton_utils.py"
+    helper.write_bytes(helper.read_bytes() + b"# drifted\n")
+    with pytest.raises(AssertionError, match="preprocessing: kiln_triton_utils.py differs"):
+        assert_python_models_shipped_whole(repo)
+
+
+def test_install_python_model_writes_what_the_model_imports(tmp_path):
+    written = install_python_model("postprocessing", tmp_path / "post")
+    assert sorted(p.name for p in written) == ["kiln_triton_utils.py", "model.py"]
+    assert all(p.parent == tmp_path / "post" / "1" for p in written)
+    # the copy imports as the stub imports it: from its version directory, without kiln
+    code = ("import sys, types; sys.modules['triton_python_backend_utils'] = types.ModuleType('stub'); "
+            f"sys.path.insert(0, {str(tmp_path / 'post' / '1')!r}); import kiln_triton_utils; "
+            "assert kiln_triton_utils.__file__.startswith(sys.path[0]); "
+            "assert not any(m == 'kiln' or m.startswith('kiln.') for m in sys.modules)")
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
 
 
 # --------------------------------------------------------------------------------------------- broken repositories
@@ -234,3 +294,31 @@ def test_hand_made_upstream_style_repository_is_linted(tmp_path, tokenizer_dir):
     edit(repo / "postprocessing" / "config.pbtxt", r'string_value: "true"', 'string_value: "${skip_special_tokens}"')
     found = errors(repo)
     assert len(found) == 1 and "${skip_special_tokens}" in found[0]
+
+
+def test_lint_reads_boolean_parameters_as_the_models_do(gpu_repo):
+    """kiln lint and the Python models share kiln_triton_utils.parse_bool: 'on' is on, 'off' is off."""
+    cfg_path = gpu_repo / "tensorrt_llm" / "1" / "engine" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["build_config"]["plugin_config"]["use_paged_context_fmha"] = False
+    cfg_path.write_text(json.dumps(cfg))
+    pbtxt = gpu_repo / "tensorrt_llm" / "config.pbtxt"
+    edit(pbtxt, r'(key: "enable_kv_cache_reuse"\s*value \{\s*string_value: )"true"', r'\1"on"')
+    edit(pbtxt, r'(key: "enable_chunked_context"\s*value \{\s*string_value: )"true"', r'\1"off"')
+    found = errors(gpu_repo)
+    assert any("enable_kv_cache_reuse is on but the engine was built without paged context FMHA" in f for f in found)
+    assert not any("enable_chunked_context is on" in f for f in found), found
+
+
+def test_package_fingerprint_covers_the_shared_helper(tmp_path, monkeypatch):
+    """The package step re-runs when a shipped Python model or the helper shipped beside them changes."""
+    import kiln.triton.repository as repository
+    from kiln.steps import package
+
+    copy = tmp_path / "models"
+    shutil.copytree(models_source(), copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(repository, "models_source", lambda: copy)
+    before = package._sources_hash(None)
+    helper = copy / "kiln_triton_utils.py"
+    helper.write_text(helper.read_text(encoding="utf-8") + "\n# changed\n", encoding="utf-8")
+    assert package._sources_hash(None) != before

@@ -9,17 +9,17 @@ served greedy output must equal Hugging Face ``generate`` on the same restored m
 from __future__ import annotations
 
 import glob
-import shutil
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_triton_models import MODELS_DIR, build_tiny_model, hf_greedy, load_restored_model
+from triton_harness import build_tiny_model, hf_greedy, load_restored_model
 
 from kiln.serve.client import GenerationError, generate_http, generate_stream
 from kiln.serve.server import ServerConfig, ServerError, TritonServer, find_tritonserver, free_port, tail
+from kiln.triton.repository import install_python_model
 
 PROMPTS = ["The quick brown fox", "Zürich café", "Beautiful is better than"]
 MAX_TOKENS = 24
@@ -183,7 +183,7 @@ def write_repository(root: Path, model_dir: Path, decoupled: bool = True, draft_
     for name, (source, config) in models.items():
         (root / name / "1").mkdir(parents=True, exist_ok=True)
         (root / name / "config.pbtxt").write_text(config)
-        shutil.copy(MODELS_DIR / source / "model.py", root / name / "1" / "model.py")
+        install_python_model(source, root / name)  # model.py and kiln_triton_utils.py, as kiln ships them
     (root / "ensemble" / "1").mkdir(parents=True, exist_ok=True)
     (root / "ensemble" / "config.pbtxt").write_text(ensemble_config())
     return root

@@ -1,8 +1,10 @@
-"""Sanity checks on the upstream-contract data modules (TensorRT-LLM 1.2 flags, Triton layout)."""
+"""Sanity checks on the upstream-contract data (TensorRT-LLM 1.2 flags, Triton layout in src/kiln/triton/data)."""
 
 from __future__ import annotations
 
+import json
 import re
+from importlib import resources
 
 import pytest
 
@@ -142,6 +144,55 @@ def test_container_for_known_and_unknown_versions() -> None:
     assert up.CONTAINER_TENSORRT[up.container_for("1.2.1")] == "10.14.1.48"
     with pytest.raises(LookupError, match=r"1\.3\.0.*known versions: .*1\.2\.1"):
         up.container_for("1.3.0")
+
+
+def test_every_model_and_table_names_its_source() -> None:
+    for name, model in up.MODELS.items():
+        assert model.source is not None, name
+        assert model.source.repo == "NVIDIA/TensorRT-LLM", name
+        assert model.source.path.endswith(f"/inflight_batcher_llm/{name}/config.pbtxt"), model.source
+        assert re.fullmatch(r"[0-9a-f]{40}", model.source.commit), model.source
+    assert set(up.MODELS) == {"ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls"}
+    for key, source in up.UPSTREAM_SOURCE.items():
+        assert "/" in source.repo and source.path and source.commit, key
+    assert up.UPSTREAM_SOURCE["containers"].path == "docs/introduction/compatibility.md"
+
+
+def _contract_text() -> str:
+    return (resources.files("kiln.triton") / "data" / up.CONTRACT_FILE).read_text(encoding="utf-8")
+
+
+def test_bool_spelling_sets_resolve_by_name() -> None:
+    raw = json.loads(_contract_text())
+    named = raw["models"]["tensorrt_llm"]["parameters"]["enable_kv_cache_reuse"]["allowed"]
+    assert named == "cpp_bool"
+    assert up.MODELS["tensorrt_llm"].parameters["enable_kv_cache_reuse"].allowed == tuple(
+        raw["spellings"]["cpp_bool"]["values"]
+    )
+
+
+@pytest.mark.parametrize(
+    "mutate, fragment",
+    [
+        (lambda d: d["models"]["ensemble"]["inputs"][0].update(dims="1"), "models.ensemble.inputs.0.dims"),
+        (lambda d: d["models"]["ensemble"]["inputs"][0].update(shape=[1]), "models.ensemble.inputs.0.shape"),
+        (lambda d: d["models"]["tensorrt_llm"].update(decoupled="yes"), "models.tensorrt_llm.decoupled"),
+        (lambda d: d["models"]["postprocessing"]["source"].pop("commit"), "models.postprocessing.source.commit"),
+    ],
+)
+def test_a_malformed_contract_file_names_the_key_path(mutate, fragment: str) -> None:
+    data = json.loads(_contract_text())
+    mutate(data)
+    with pytest.raises(up.ContractDataError, match=re.escape(f"{up.CONTRACT_FILE}: ") + ".*" + re.escape(fragment)):
+        up._parse(up.CONTRACT_FILE, json.dumps(data), up._ContractFile)
+
+
+def test_an_unknown_spelling_set_is_refused() -> None:
+    data = json.loads(_contract_text())
+    data["models"]["tensorrt_llm"]["parameters"]["enable_kv_cache_reuse"]["allowed"] = "yaml_bool"
+    parsed = up._parse(up.CONTRACT_FILE, json.dumps(data), up._ContractFile)
+    with pytest.raises(up.ContractDataError, match="enable_kv_cache_reuse.allowed: 'yaml_bool' names no spelling"):
+        up._model("tensorrt_llm", parsed.models["tensorrt_llm"], {k: v.values for k, v in parsed.spellings.items()})
 
 
 # ------------------------------------------------------------------------- trtllm-build flags

@@ -16,10 +16,18 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 from fractions import Fraction
 from typing import Any
 
+from kiln.plan.arithmetic import (
+    StageWeights,
+    activation_bytes_per_token,
+    gemm_seconds,
+    kv_heads_per_rank,
+    stage_layers,
+    stage_weights,
+    tflops,
+)
 from kiln.plan.errors import PlanError
 from kiln.plan.formats import (
     KV_CACHE_DTYPES,
@@ -32,7 +40,7 @@ from kiln.plan.formats import (
     kv_unsupported_reason,
     weight_format,
 )
-from kiln.plan.model import Linear, ModelShape, parse_model_config
+from kiln.plan.model import ModelShape, parse_model_config
 from kiln.recipe.gpus import GPUS, GPUSpec, known_gpu_names, lookup_gpu
 
 __all__ = [
@@ -325,170 +333,6 @@ def _validate(inputs: PlanInputs, shape: ModelShape) -> list[str]:
     return problems
 
 
-# ------------------------------------------------------------------------------------------ arithmetic
-
-
-def _excluded(name: str, patterns: tuple[str, ...]) -> bool:
-    """Whether module ``name`` matches an exclusion pattern (at any depth, or a parent module)."""
-    return any(
-        fnmatchcase(name, p) or fnmatchcase(name, "*." + p) or fnmatchcase(name, p + ".*")
-        or fnmatchcase(name, "*." + p + ".*")
-        for p in patterns
-    )
-
-
-def _kv_heads_per_rank(shape: ModelShape, tp: int) -> int:
-    return max(1, shape.num_kv_heads // tp)
-
-
-def _rank_shape(lin: Linear, shape: ModelShape, tp: int) -> tuple[int, int]:
-    """(weight params, bias params) of ``lin`` held by one tp rank."""
-    if lin.shard == "col":
-        out = math.ceil(lin.out_features / tp)
-        return lin.in_features * out, out if lin.bias else 0
-    if lin.shard == "row":
-        return math.ceil(lin.in_features / tp) * lin.out_features, lin.out_features if lin.bias else 0
-    # kv: out_features = m × num_kv_heads × head_dim; each rank keeps its (possibly replicated) KV heads.
-    out = lin.out_features // shape.num_kv_heads * _kv_heads_per_rank(shape, tp)
-    return lin.in_features * out, out if lin.bias else 0
-
-
-@dataclass
-class _StageWeights:
-    params: int = 0
-    quantized_params: int = 0
-    embedding: float = 0.0
-    attention: float = 0.0
-    mlp: float = 0.0
-    norms: float = 0.0
-    lm_head: float = 0.0
-    lm_head_read: float = 0.0
-    excluded: float = 0.0
-    gemm_params: dict[str, int] = field(default_factory=dict)  # tensor type -> params, decoder layers
-    lm_head_gemm: tuple[str, int] = ("base", 0)
-    excluded_names: set[str] = field(default_factory=set)
-
-    @property
-    def total(self) -> float:
-        return self.embedding + self.attention + self.mlp + self.norms + self.lm_head
-
-
-def _stage_weights(
-    shape: ModelShape,
-    inputs: PlanInputs,
-    fmt: WeightFormat,
-    tp: int,
-    first_layer: int,
-    layers: int,
-    first_stage: bool,
-    last_stage: bool,
-    single_stage: bool,
-) -> _StageWeights:
-    base = base_dtype_bytes(inputs.dtype)
-    bpw = fmt.bytes_per_weight(base, inputs.awq_block_size)
-    quantize = fmt.name != "none"
-    w = _StageWeights()
-    vocab_rows = math.ceil(shape.vocab_size / tp)
-    table_params = vocab_rows * shape.hidden_size
-
-    if first_stage:
-        w.embedding = table_params * base
-        w.params += table_params
-    for layer in range(first_layer, first_layer + layers):
-        for lin in shape.layer_linears(layer):
-            weights, biases = _rank_shape(lin, shape, tp)
-            excluded = quantize and _excluded(lin.name, inputs.exclude_modules)
-            if excluded:
-                w.excluded_names.add(_pattern_name(lin.name))
-            if quantize and not excluded:
-                nbytes = weights * bpw + biases * base
-                gemm = fmt.gemm
-                w.quantized_params += weights
-            else:
-                nbytes = (weights + biases) * base
-                gemm = "base"
-                if excluded:
-                    w.excluded += nbytes
-            w.gemm_params[gemm] = w.gemm_params.get(gemm, 0) + weights
-            w.params += weights + biases
-            if ".mlp." in lin.name:
-                w.mlp += nbytes
-            else:
-                w.attention += nbytes
-        w.norms += shape.norm_params_per_layer * base
-        w.params += shape.norm_params_per_layer
-    if last_stage:
-        w.norms += shape.final_norm_params * base
-        w.params += shape.final_norm_params
-        if shape.tie_word_embeddings:
-            # The head multiplies by the embedding table (base dtype): shared on a single stage, a copy on
-            # the last stage otherwise.
-            w.lm_head_read = table_params * base
-            w.lm_head_gemm = ("base", table_params)
-            if not single_stage:
-                w.lm_head = table_params * base
-                w.params += table_params
-        else:
-            excluded = quantize and _excluded("lm_head", inputs.exclude_modules)
-            if quantize and not excluded:
-                w.lm_head = table_params * bpw
-                w.lm_head_gemm = (fmt.gemm, table_params)
-                w.quantized_params += table_params
-            else:
-                w.lm_head = table_params * base
-                w.lm_head_gemm = ("base", table_params)
-                if excluded:
-                    w.excluded += w.lm_head
-                    w.excluded_names.add("lm_head")
-            w.lm_head_read = w.lm_head
-            w.params += table_params
-    return w
-
-
-def _pattern_name(name: str) -> str:
-    """'model.layers.3.self_attn.q_proj' -> 'model.layers.*.self_attn.q_proj' (for a short summary)."""
-    parts = ["*" if part.isdigit() else part for part in name.split(".")]
-    return ".".join(parts)
-
-
-def _stage_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
-    """(first layer, layer count) per stage: the first ``num_layers % pp`` stages get one extra layer."""
-    base, extra = divmod(num_layers, pp)
-    out, first = [], 0
-    for stage in range(pp):
-        count = base + (1 if stage < extra else 0)
-        out.append((first, count))
-        first += count
-    return out
-
-
-def _activation_bytes_per_token(shape: ModelShape, inputs: PlanInputs) -> int:
-    tp = inputs.tp
-    base = base_dtype_bytes(inputs.dtype)
-    q = shape.num_heads // tp * shape.head_dim
-    kv = _kv_heads_per_rank(shape, tp) * shape.head_dim
-    inter = math.ceil(shape.intermediate_size / tp)
-    mlp_factor = 3 if shape.mlp_gated else 2
-    return base * (3 * shape.hidden_size + (q + 2 * kv) + q + mlp_factor * inter)
-
-
-def _tflops(gpu: GPUSpec, gemm: str, dtype: str) -> float | None:
-    key = base_tensor_key(dtype) if gemm == "base" else gemm
-    return gpu.tflops.get(key) if key else None
-
-
-def _gemm_seconds(params_by_type: dict[str, float], tokens: float, gpu: GPUSpec, dtype: str) -> float | None:
-    total = 0.0
-    for gemm, params in params_by_type.items():
-        if params == 0:
-            continue
-        tflops = _tflops(gpu, gemm, dtype)
-        if tflops is None:
-            return None
-        total += 2 * params * tokens / (tflops * 1e12)
-    return total
-
-
 # ------------------------------------------------------------------------------------------ the plan
 
 
@@ -506,20 +350,20 @@ def _evaluate(inputs: PlanInputs, gpu: GPUSpec, gpu_count: int | None) -> Plan:
     # The fraction as written (0.9 is 9/10), so budgets are exact integers, not float-rounded.
     fraction = Fraction(repr(float(inputs.kv_cache_free_gpu_mem_fraction)))
     bandwidth = gpu.bandwidth_gbs * 1e9
-    kv_heads_rank = _kv_heads_per_rank(shape, tp)
+    kv_heads_rank = kv_heads_per_rank(shape, tp)
     tpb = inputs.tokens_per_block
 
-    act_per_token = _activation_bytes_per_token(shape, inputs)
+    act_per_token = activation_bytes_per_token(shape, inputs)
     activation = inputs.max_num_tokens * act_per_token
     logits = inputs.max_batch_size * shape.vocab_size * LOGITS_BYTES
 
-    stage_weights: list[_StageWeights] = []
+    weights_by_stage: list[StageWeights] = []
     stages: list[StagePlan] = []
-    layout = _stage_layers(shape.num_layers, pp)
+    layout = stage_layers(shape.num_layers, pp)
     for index, (first, count) in enumerate(layout):
         last = index == pp - 1
-        sw = _stage_weights(shape, inputs, fmt, tp, first, count, index == 0, last, pp == 1)
-        stage_weights.append(sw)
+        sw = stage_weights(shape, inputs, fmt, tp, first, count, index == 0, last, pp == 1)
+        weights_by_stage.append(sw)
         weights_bytes = math.ceil(sw.total)
         workspace = RUNTIME_OVERHEAD_BYTES + activation + (logits if last else 0)
         free = memory - weights_bytes - workspace
@@ -547,7 +391,7 @@ def _evaluate(inputs: PlanInputs, gpu: GPUSpec, gpu_count: int | None) -> Plan:
         )
 
     # Whole-model figures (tp = pp = 1).
-    whole = _stage_weights(shape, inputs, fmt, 1, 0, shape.num_layers, True, True, True)
+    whole = stage_weights(shape, inputs, fmt, 1, 0, shape.num_layers, True, True, True)
     bind = min(stages, key=lambda s: (s.kv_tokens // tpb, s.stage))
     heaviest = max(stages, key=lambda s: (s.weights_bytes, -s.stage))
 
@@ -614,7 +458,7 @@ def _evaluate(inputs: PlanInputs, gpu: GPUSpec, gpu_count: int | None) -> Plan:
         total_bytes=bind.workspace_bytes,
     )
 
-    limits = _limits(inputs, gpu, stages, stage_weights, shape, max_sequences, bandwidth)
+    limits = _limits(inputs, gpu, stages, weights_by_stage, shape, max_sequences, bandwidth)
     world = tp * pp
     replicas = (gpu_count // world) if gpu_count else 1
     plan = Plan(
@@ -655,7 +499,7 @@ def _limits(
     inputs: PlanInputs,
     gpu: GPUSpec,
     stages: list[StagePlan],
-    stage_weights: list[_StageWeights],
+    weights_by_stage: list[StageWeights],
     shape: ModelShape,
     max_sequences: int,
     bandwidth: float,
@@ -667,13 +511,13 @@ def _limits(
     for batch in batches:
         memory_s, compute_s, step_s = 0.0, 0.0, 0.0
         compute_known = True
-        for stage, sw in zip(stages, stage_weights):
+        for stage, sw in zip(stages, weights_by_stage):
             read = sw.attention + sw.mlp + sw.norms + sw.lm_head_read
             mem = (read + batch * ctx * stage.kv_bytes_per_token) / bandwidth
             params = dict(sw.gemm_params)
             lm_type, lm_params = sw.lm_head_gemm
             params[lm_type] = params.get(lm_type, 0) + lm_params
-            comp = _gemm_seconds(params, batch, gpu, inputs.dtype)
+            comp = gemm_seconds(params, batch, gpu, inputs.dtype)
             memory_s += mem
             if comp is None:
                 compute_known = False
@@ -698,10 +542,10 @@ def _limits(
     attn_flops = 0.0
     compute: float | None = 0.0
     memory_s = 0.0
-    base_tflops = _tflops(gpu, "base", inputs.dtype)
+    base_tflops = tflops(gpu, "base", inputs.dtype)
     heads_rank = shape.num_heads // inputs.tp
     used: dict[str, float] = {}
-    for stage, sw in zip(stages, stage_weights):
+    for stage, sw in zip(stages, weights_by_stage):
         lm_type, lm_params = sw.lm_head_gemm
         stage_gemm = sum(2 * p * tokens for p in sw.gemm_params.values()) + 2 * lm_params
         stage_attn = 2 * stage.layers * heads_rank * shape.head_dim * tokens**2
@@ -709,11 +553,11 @@ def _limits(
         attn_flops += stage_attn
         memory_s += (sw.attention + sw.mlp + sw.norms + sw.lm_head_read) / bandwidth
         for gemm in [*sw.gemm_params, lm_type]:
-            tf = _tflops(gpu, gemm, inputs.dtype)
+            tf = tflops(gpu, gemm, inputs.dtype)
             if tf is not None:
                 used[gemm if gemm != "base" else str(base_tensor_key(inputs.dtype))] = tf
-        layer_s = _gemm_seconds(dict(sw.gemm_params), tokens, gpu, inputs.dtype)
-        head_s = _gemm_seconds({lm_type: lm_params}, 1, gpu, inputs.dtype)
+        layer_s = gemm_seconds(dict(sw.gemm_params), tokens, gpu, inputs.dtype)
+        head_s = gemm_seconds({lm_type: lm_params}, 1, gpu, inputs.dtype)
         if compute is None or layer_s is None or head_s is None or base_tflops is None:
             compute = None
         else:

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Literal, Optional
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from kiln.triton.models.kiln_triton_utils import parse_bool, parse_int
 from kiln.triton.upstream import NGC_CONTAINERS
 
 CONTAINER_MODEL_ROOT = "/models"  # where kiln's deploy files mount the repository in the serving container
@@ -68,24 +69,6 @@ class Model:
     @property
     def decoupled(self) -> bool:
         return bool(self.config is not None and self.config.model_transaction_policy.decoupled)
-
-
-def _bool(value: Optional[str]) -> Optional[bool]:
-    if value is None:
-        return None
-    v = value.strip().lower()
-    if v in ("true", "1", "yes", "t", "y"):
-        return True
-    if v in ("false", "0", "no", "f", "n"):
-        return False
-    return None
-
-
-def _int(value: Optional[str]) -> Optional[int]:
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
-        return None
 
 
 def load_models(repo: Path) -> tuple[dict[str, Model], list[Finding]]:
@@ -225,7 +208,7 @@ def check_engine_agreement(m: Model, repo: Path) -> Iterable[Finding]:
         yield Finding("error", m.name, file, m.line_of(r"^\s*max_batch_size\s*:"),
                       f"max_batch_size {m.config.max_batch_size} exceeds the engine's {e_batch}",
                       f"set max_batch_size: {e_batch} (or rebuild the engine with a larger engine.max_batch_size)")
-    beam = _int(m.param("max_beam_width"))
+    beam = parse_int(m.param("max_beam_width"))
     if beam is not None and e_beam is not None and beam > e_beam:
         yield Finding("error", m.name, file, m.param_line("max_beam_width"),
                       f"max_beam_width {beam} exceeds the engine's {e_beam}", f"set it to {e_beam} or rebuild")
@@ -233,10 +216,10 @@ def check_engine_agreement(m: Model, repo: Path) -> Iterable[Finding]:
     paged_ctx = bool(pc.get("use_paged_context_fmha", False)) and pc.get("context_fmha", True) is not False
     quant = (cfg.get("pretrained_config", {}) or {}).get("quantization", {}) or {}
     int8_kv = str(quant.get("kv_cache_quant_algo") or "").upper() == "INT8"
-    reuse = _bool(m.param("enable_kv_cache_reuse"))
+    reuse = parse_bool(m.param("enable_kv_cache_reuse"))
     if reuse is None and m.param("enable_kv_cache_reuse") is None:
         reuse = True  # the backend's default when unset
-    for key, on in (("enable_kv_cache_reuse", reuse), ("enable_chunked_context", _bool(m.param("enable_chunked_context")))):
+    for key, on in (("enable_kv_cache_reuse", reuse), ("enable_chunked_context", parse_bool(m.param("enable_chunked_context")))):
         if not on:
             continue
         if not paged or not paged_ctx or int8_kv:

@@ -121,7 +121,8 @@ def _tensor(spec: TensorSpec, is_input: bool):
     return t
 
 
-def _params(config, values: dict[str, Any]) -> None:
+def set_parameters(config, values: dict[str, Any]) -> None:
+    """Set string parameters; None leaves a key out, booleans become "true"/"false"."""
     for key, value in values.items():
         if value is None:
             continue  # unset: the key is left out (never a placeholder, never an empty string that means 'default')
@@ -141,8 +142,9 @@ def _select(specs: Iterable[TensorSpec], names: Optional[tuple[str, ...]]) -> li
     return [by_name[n] for n in names]
 
 
-def _base(name: str, max_batch_size: int, inputs: list[TensorSpec], outputs: list[TensorSpec], *,
-          backend: Optional[str] = None, platform: Optional[str] = None):
+def base_config(name: str, max_batch_size: int, inputs: list[TensorSpec], outputs: list[TensorSpec], *,
+                backend: Optional[str] = None, platform: Optional[str] = None):
+    """A ModelConfig with its name, backend or platform, max_batch_size and tensors."""
     c = mc.ModelConfig()
     c.name = name
     if backend:
@@ -155,7 +157,8 @@ def _base(name: str, max_batch_size: int, inputs: list[TensorSpec], outputs: lis
     return c
 
 
-def _cpu_instances(c, count: int) -> None:
+def cpu_instances(c, count: int) -> None:
+    """``instance_group [ { count: <count> kind: KIND_CPU } ]``."""
     g = c.instance_group.add()
     g.count = count
     g.kind = mc.ModelInstanceGroup.KIND_CPU
@@ -171,20 +174,20 @@ def render(config) -> str:
 
 def preprocessing_config(r: Recipe, max_seq_len: int):
     up = MODELS["preprocessing"]
-    c = _base("preprocessing", r.engine.max_batch_size, _select(up.inputs, PRE_INPUTS), _select(up.outputs, PRE_OUTPUTS),
+    c = base_config("preprocessing", r.engine.max_batch_size, _select(up.inputs, PRE_INPUTS), _select(up.outputs, PRE_OUTPUTS),
               backend="python")
-    _cpu_instances(c, r.serving.preprocessing_instances)
-    _params(c, {"tokenizer_dir": "1/tokenizer", "add_special_tokens": r.serving.add_special_tokens,
+    cpu_instances(c, r.serving.preprocessing_instances)
+    set_parameters(c, {"tokenizer_dir": "1/tokenizer", "add_special_tokens": r.serving.add_special_tokens,
                 "max_input_len": r.engine.max_input_len, "max_seq_len": max_seq_len})
     return c
 
 
 def postprocessing_config(r: Recipe):
     up = MODELS["postprocessing"]
-    c = _base("postprocessing", r.engine.max_batch_size, _select(up.inputs, POST_INPUTS),
+    c = base_config("postprocessing", r.engine.max_batch_size, _select(up.inputs, POST_INPUTS),
               _select(up.outputs, POST_OUTPUTS), backend="python")
-    _cpu_instances(c, r.serving.postprocessing_instances)
-    _params(c, {"tokenizer_dir": "1/tokenizer", "skip_special_tokens": r.serving.skip_special_tokens})
+    cpu_instances(c, r.serving.postprocessing_instances)
+    set_parameters(c, {"tokenizer_dir": "1/tokenizer", "skip_special_tokens": r.serving.skip_special_tokens})
     return c
 
 
@@ -195,10 +198,10 @@ def trtllm_config(r: Recipe, name: str, max_seq_len: int, engine_cfg: dict):
     reference = r.target == "reference"
     ins = _select(up.inputs, REFERENCE_TRTLLM_INPUTS if reference else None)
     outs = _select(up.outputs, REFERENCE_TRTLLM_OUTPUTS if reference else None)
-    c = _base(name, r.engine.max_batch_size, ins, outs, backend="python" if reference else "tensorrtllm")
+    c = base_config(name, r.engine.max_batch_size, ins, outs, backend="python" if reference else "tensorrtllm")
     c.model_transaction_policy.decoupled = s.streaming
     c.dynamic_batching.max_queue_delay_microseconds = s.max_queue_delay_microseconds
-    _cpu_instances(c, 1)
+    cpu_instances(c, 1)
     common = {
         "max_beam_width": r.engine.max_beam_width,
         "exclude_input_in_output": s.exclude_input_in_output,
@@ -209,7 +212,7 @@ def trtllm_config(r: Recipe, name: str, max_seq_len: int, engine_cfg: dict):
     if reference:
         b = engine_cfg["build_config"]
         kv_tokens = s.max_tokens_in_paged_kv_cache or b["max_batch_size"] * b["max_seq_len"]
-        _params(c, {**common,
+        set_parameters(c, {**common,
                     "gpt_model_path": "1/engine",
                     "model_dir": "1/checkpoint", "modelopt_state": "modelopt_state.pth",
                     "tokenizer_dir": "1/checkpoint",
@@ -219,7 +222,7 @@ def trtllm_config(r: Recipe, name: str, max_seq_len: int, engine_cfg: dict):
                     "max_tokens_in_paged_kv_cache": kv_tokens,
                     "num_threads": s.cpu_threads})
     else:
-        _params(c, {**common,
+        set_parameters(c, {**common,
                     "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
                     "gpt_model_type": "inflight_fused_batching" if s.batching == "inflight_fused" else "V1",
                     "gpt_model_path": f"{CONTAINER_MODEL_ROOT}/{name}/1/engine",
@@ -259,7 +262,7 @@ def ensemble_config(r: Recipe, trt_inputs: set[str], trt_outputs: set[str]):
     produced = {et for _, _, omap in steps for _, et in omap}
     ins = [t for t in up.inputs if t.name in used_inputs]
     outs = [t for t in up.outputs if t.name in produced]
-    c = _base("ensemble", r.engine.max_batch_size, ins, outs, platform="ensemble")
+    c = base_config("ensemble", r.engine.max_batch_size, ins, outs, platform="ensemble")
     for model_name, imap, omap in steps:
         st = c.ensemble_scheduling.step.add()
         st.model_name = model_name
@@ -273,11 +276,11 @@ def ensemble_config(r: Recipe, trt_inputs: set[str], trt_outputs: set[str]):
 
 def bls_config(r: Recipe, draft_name: Optional[str]):
     up = MODELS["tensorrt_llm_bls"]
-    c = _base("tensorrt_llm_bls", r.engine.max_batch_size, _select(up.inputs, BLS_INPUTS),
+    c = base_config("tensorrt_llm_bls", r.engine.max_batch_size, _select(up.inputs, BLS_INPUTS),
               _select(up.outputs, BLS_OUTPUTS), backend="python")
     c.model_transaction_policy.decoupled = r.serving.streaming
-    _cpu_instances(c, r.serving.bls_instances)
-    _params(c, {"accumulate_tokens": False, "tensorrt_llm_model_name": "tensorrt_llm",
+    cpu_instances(c, r.serving.bls_instances)
+    set_parameters(c, {"accumulate_tokens": False, "tensorrt_llm_model_name": "tensorrt_llm",
                 "tensorrt_llm_draft_model_name": draft_name,
                 "num_draft_tokens": r.engine.speculative.max_draft_len or None})
     return c
@@ -297,9 +300,26 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
-def _python_model(models_src: Path, kind: str, dst: Path) -> None:
-    (dst / "1").mkdir(parents=True, exist_ok=True)
-    shutil.copy2(models_src / kind / "model.py", dst / "1" / "model.py")
+#: Shipped beside every Python model's model.py (the backend puts the version directory on sys.path).
+SHARED_MODEL_MODULES = ("kiln_triton_utils.py",)
+
+
+def install_python_model(kind: str, dst: Path) -> list[Path]:
+    """Copy kiln's Python model ``kind`` (a directory of :func:`models_source`) into model directory ``dst``.
+
+    Writes ``dst/1/model.py``, every other ``.py`` file of the kind's directory (modules the model imports),
+    and :data:`SHARED_MODEL_MODULES`, byte for byte. Returns the files written.
+    """
+    src = models_source()
+    version = dst / "1"
+    version.mkdir(parents=True, exist_ok=True)
+    sources = sorted(p for p in (src / kind).glob("*.py") if p.name != "__init__.py")
+    sources += [src / name for name in SHARED_MODEL_MODULES]
+    written = []
+    for path in sources:
+        shutil.copy2(path, version / path.name)
+        written.append(version / path.name)
+    return written
 
 
 def _write_config(dst: Path, config) -> None:
@@ -308,6 +328,7 @@ def _write_config(dst: Path, config) -> None:
 
 
 def models_source() -> Path:
+    """The directory holding kiln's Python models (``<kind>/model.py``) and the modules shipped beside them."""
     return Path(str(resources.files("kiln.triton") / "models"))
 
 
@@ -320,17 +341,16 @@ def server_command(repo: str, r: Recipe, host: str = "0.0.0.0") -> list[str]:
 def write_repository(inp: RepoInputs, out: Path, max_seq_len: int) -> dict[str, Any]:
     """Write the whole repository into `out` (an empty directory). Returns the kiln.json content."""
     r = inp.recipe
-    src = models_source()
     engine_cfg = json.loads((inp.engine_dir / "config.json").read_text())
 
     pre = out / "preprocessing"
     _write_config(pre, preprocessing_config(r, max_seq_len))
-    _python_model(src, "preprocessing", pre)
+    install_python_model("preprocessing", pre)
     _copy_tokenizer(inp.tokenizer_dir, pre / "1" / "tokenizer")
 
     post = out / "postprocessing"
     _write_config(post, postprocessing_config(r))
-    _python_model(src, "postprocessing", post)
+    install_python_model("postprocessing", post)
     _copy_tokenizer(inp.tokenizer_dir, post / "1" / "tokenizer")
 
     def write_llm(name: str, source: RepoInputs) -> Any:
@@ -340,7 +360,7 @@ def write_repository(inp: RepoInputs, out: Path, max_seq_len: int) -> dict[str, 
         _write_config(d, config)
         link_tree(source.engine_dir, d / "1" / "engine")
         if source.recipe.target == "reference":
-            _python_model(src, "reference", d)
+            install_python_model("reference", d)
             assert source.checkpoint_dir is not None, "the reference target needs the quantized checkpoint"
             link_tree(source.checkpoint_dir, d / "1" / "checkpoint")
         return config
@@ -357,7 +377,7 @@ def write_repository(inp: RepoInputs, out: Path, max_seq_len: int) -> dict[str, 
 
     bls = out / "tensorrt_llm_bls"
     _write_config(bls, bls_config(r, draft_name))
-    _python_model(src, "bls", bls)
+    install_python_model("bls", bls)
 
     trtllm_version = inp.versions.get("tensorrt_llm")
     container = container_for(trtllm_version) if r.target == "tensorrt" and trtllm_version else None

@@ -1,7 +1,8 @@
 """Triton Python model ``tensorrt_llm_bls``: preprocessing -> tensorrt_llm -> postprocessing in Python (BLS).
 
-kiln copies this file into generated repositories as ``tensorrt_llm_bls/1/model.py``; it must not import
-kiln. It takes the ensemble's inputs (``text_input``, ``max_tokens``, optional ``stream``, ``bad_words``,
+kiln copies this file into generated repositories as ``tensorrt_llm_bls/1/model.py``, with
+``kiln_triton_utils.py`` beside it (the only other module it imports from kiln's source; it must not import
+kiln). It takes the ensemble's inputs (``text_input``, ``max_tokens``, optional ``stream``, ``bad_words``,
 ``stop_words``, ``end_id``, ``pad_id``, ``top_k``, ``top_p``, ``temperature``, ``length_penalty``,
 ``repetition_penalty``, ``min_tokens``, ``presence_penalty``, ``frequency_penalty``, ``seed``,
 ``return_log_probs``, ``beam_width``, ``exclude_input_in_output``, ``num_draft_tokens``) and returns
@@ -27,12 +28,9 @@ iterator's ``cancel()`` where the stub has it, else (Triton 2.51, nvidia-pytrito
 ``stop`` request naming the request id, so ``tensorrt_llm``'s config must declare the ``stop`` input.
 """
 
-import locale
+from kiln_triton_utils import use_utf8_locale
 
-try:  # The stub runs Python in isolated mode with an ASCII locale: make open() & co. default to UTF-8.
-    locale.setlocale(locale.LC_CTYPE, "")
-except locale.Error:
-    locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+use_utf8_locale()
 
 import json  # noqa: E402
 import threading  # noqa: E402
@@ -41,10 +39,15 @@ import uuid  # noqa: E402
 
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
-
-REPLACEMENT = "\ufffd"
-_TRUE = {"1", "true", "t", "yes", "y", "on"}
-_FALSE = {"0", "false", "f", "no", "n", "off"}
+from kiln_triton_utils import (  # noqa: E402
+    RequestError,
+    get_bool_param,
+    get_int_param,
+    get_param,
+    input_array,
+    last_error_line,
+    text_delta,
+)
 
 #: BLS input -> preprocessing input.
 PREPROC_INPUTS = {
@@ -83,44 +86,6 @@ REQUEST_TO_LLM = {
 PREPROC_OUTPUTS = list(PREPROC_TO_LLM)
 
 
-class RequestError(ValueError):
-    """A problem with one request; its message goes back to the client."""
-
-
-def get_param(model_config, key, default=None):
-    """A config.pbtxt parameter's string value, or ``default`` when absent, empty or an unfilled ``${...}``."""
-    value = model_config.get("parameters", {}).get(key, {}).get("string_value")
-    if value is None or value.strip() == "" or value.strip().startswith("${"):
-        return default
-    return value.strip()
-
-
-def get_bool_param(model_config, key, default):
-    """A boolean parameter (true/false/1/0/yes/no); a malformed value is a configuration error."""
-    value = get_param(model_config, key)
-    if value is None:
-        return default
-    if value.lower() in _TRUE:
-        return True
-    if value.lower() in _FALSE:
-        return False
-    raise ValueError(f"parameter {key!r} must be true or false, got {value!r}")
-
-
-def text_delta(text, sent_chars, final):
-    """(new_text, new_sent_chars): what follows the ``sent_chars`` characters already sent.
-
-    A trailing U+FFFD is a UTF-8 character whose bytes are still arriving: held back unless ``final``.
-    """
-    end = len(text)
-    if not final:
-        while end > sent_chars and text[end - 1] == REPLACEMENT:
-            end -= 1
-    if end <= sent_chars:
-        return "", sent_chars
-    return text[sent_chars:end], end
-
-
 def accepted_prefix(new_tokens, draft):
     """How many leading tokens of the target's answer equal the draft."""
     k = 0
@@ -156,11 +121,6 @@ def stop_words_from_tensor(array):
     return words
 
 
-def _tensor(request, name):
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    return None if tensor is None else tensor.as_numpy()
-
-
 def _output(response, name):
     tensor = pb_utils.get_output_tensor_by_name(response, name)
     return None if tensor is None else tensor.as_numpy()
@@ -182,11 +142,7 @@ class TritonPythonModel:
         self.preproc = get_param(cfg, "preprocessing_model_name", "preprocessing")
         self.postproc = get_param(cfg, "postprocessing_model_name", "postprocessing")
         self.accumulate = get_bool_param(cfg, "accumulate_tokens", True)
-        value = get_param(cfg, "num_draft_tokens", "4")
-        try:
-            self.default_draft_tokens = int(value)
-        except ValueError:
-            raise ValueError(f"parameter 'num_draft_tokens' must be an integer, got {value!r}") from None
+        self.default_draft_tokens = get_int_param(cfg, "num_draft_tokens", 4)
         self.output_names = {out["name"] for out in cfg.get("output", [])}
         self._threads = set()
         self._lock = threading.Lock()
@@ -212,7 +168,7 @@ class TritonPythonModel:
             self._send_error(sender, str(err))
         except Exception:
             pb_utils.Logger.log_error(f"tensorrt_llm_bls: {traceback.format_exc()}")
-            self._send_error(sender, f"internal error: {traceback.format_exc(limit=1).strip().splitlines()[-1]}")
+            self._send_error(sender, f"internal error: {last_error_line()}")
         finally:
             with self._lock:
                 self._threads.discard(threading.current_thread())
@@ -221,14 +177,14 @@ class TritonPythonModel:
     def _preprocess(self, request):
         inputs = []
         for src, dst in PREPROC_INPUTS.items():
-            value = _tensor(request, src)
+            value = input_array(request, src)
             if value is not None:
                 if dst in ("REQUEST_OUTPUT_LEN", "END_ID", "PAD_ID"):
                     value = value.astype(np.int32)
                 inputs.append(pb_utils.Tensor(dst, value))
-        if _tensor(request, "text_input") is None:
+        if input_array(request, "text_input") is None:
             raise RequestError("text_input is missing")
-        if _tensor(request, "max_tokens") is None:
+        if input_array(request, "max_tokens") is None:
             raise RequestError("max_tokens is missing")
         req = pb_utils.InferenceRequest(
             model_name=self.preproc, inputs=inputs, requested_output_names=PREPROC_OUTPUTS
@@ -240,7 +196,7 @@ class TritonPythonModel:
     def _llm_inputs(self, request, pre, streaming):
         tensors = {PREPROC_TO_LLM[name]: value for name, value in pre.items() if value is not None}
         for src, dst in REQUEST_TO_LLM.items():
-            value = _tensor(request, src)
+            value = input_array(request, src)
             if value is not None:
                 tensors[dst] = value
         tensors["streaming"] = np.full((tensors["input_ids"].shape[0], 1), streaming, dtype=bool)
@@ -284,13 +240,13 @@ class TritonPythonModel:
 
     # ------------------------------------------------------------------ one request
     def _serve(self, request, sender):
-        stream = _tensor(request, "stream")
+        stream = input_array(request, "stream")
         streaming = bool(stream is not None and np.asarray(stream).any())
         if streaming and not self.decoupled:
             raise RequestError("stream=true needs tensorrt_llm_bls's config.pbtxt to be decoupled")
         pre = self._preprocess(request)
         batch = pre["INPUT_ID"].shape[0]
-        draft_n = _tensor(request, "num_draft_tokens")
+        draft_n = input_array(request, "num_draft_tokens")
         draft_n = self.default_draft_tokens if draft_n is None else int(np.asarray(draft_n).reshape(-1)[0])
         if self.draft and draft_n > 0:
             if batch != 1:
@@ -390,7 +346,7 @@ class TritonPythonModel:
         if streaming:
             self._send(sender, None, final=True)
             return
-        exclude = _tensor(request, "exclude_input_in_output")
+        exclude = input_array(request, "exclude_input_in_output")
         out = ids[len(prompt) :] if exclude is not None and np.asarray(exclude).any() else ids
         text = self._postprocess(np.array([[out or [0]]], dtype=np.int32), np.array([[len(out)]]))
         self._send(sender, self._response(text, None), final=True)

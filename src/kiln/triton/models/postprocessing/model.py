@@ -1,6 +1,7 @@
 """Triton Python model ``postprocessing``: token ids in, text out (upstream inflight_batcher_llm contract).
 
-kiln copies this file into generated repositories as ``postprocessing/1/model.py``; it must not import kiln.
+kiln copies this file into generated repositories as ``postprocessing/1/model.py``, with
+``kiln_triton_utils.py`` beside it (the only other module it imports from kiln's source; it must not import kiln).
 
 Inputs: ``TOKENS_BATCH`` INT32[-1,-1] (so ``[batch, beams, tokens]``), optional ``SEQUENCE_LENGTH``
 INT32[-1] (``[batch, beams]``: how many of each row's tokens are real; the rest is padding). Output:
@@ -19,12 +20,9 @@ decoding the whole sequence, for byte-level tokenizers. Tokenizers whose decoder
 difference, which is correct for every tokenizer. ``decode_delta`` below is that computation.
 """
 
-import locale
+from kiln_triton_utils import use_utf8_locale
 
-try:  # The stub runs Python in isolated mode with an ASCII locale: make open() & co. default to UTF-8.
-    locale.setlocale(locale.LC_CTYPE, "")
-except locale.Error:
-    locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+use_utf8_locale()
 
 import json  # noqa: E402
 import os  # noqa: E402
@@ -32,35 +30,15 @@ import traceback  # noqa: E402
 
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
+from kiln_triton_utils import (  # noqa: E402
+    RequestError,
+    get_bool_param,
+    get_param,
+    last_error_line,
+    resolve_path,
+    text_delta,
+)
 from tokenizers import Tokenizer  # noqa: E402
-
-REPLACEMENT = "\ufffd"
-_TRUE = {"1", "true", "t", "yes", "y", "on"}
-_FALSE = {"0", "false", "f", "no", "n", "off"}
-
-
-class RequestError(ValueError):
-    """A problem with one request; its message goes back to the client."""
-
-
-def get_param(model_config, key, default=None):
-    """A config.pbtxt parameter's string value, or ``default`` when absent, empty or an unfilled ``${...}``."""
-    value = model_config.get("parameters", {}).get(key, {}).get("string_value")
-    if value is None or value.strip() == "" or value.strip().startswith("${"):
-        return default
-    return value.strip()
-
-
-def get_bool_param(model_config, key, default):
-    """A boolean parameter (true/false/1/0/yes/no); a malformed value is a configuration error."""
-    value = get_param(model_config, key)
-    if value is None:
-        return default
-    if value.lower() in _TRUE:
-        return True
-    if value.lower() in _FALSE:
-        return False
-    raise ValueError(f"parameter {key!r} must be true or false, got {value!r}")
 
 
 def decode_rows(tokenizer, tokens, lengths, skip_special_tokens):
@@ -94,22 +72,8 @@ def decode_delta(tokenizer, ids, sent_chars, skip_special_tokens, final):
     unless ``final``.
     """
     text = tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
-    end = len(text)
-    if not final:
-        while end > sent_chars and text[end - 1] == REPLACEMENT:
-            end -= 1
-    if end <= sent_chars:
-        return "", sent_chars
-    return text[sent_chars:end], end
+    return text_delta(text, sent_chars, final)
 
-
-
-def resolve_path(args, path):
-    """A path parameter: absolute as given, relative to this model's directory (args["model_repository"]) —
-    so a packaged repository can be moved or mounted anywhere (e.g. at /models in a container)."""
-    if path is None or os.path.isabs(path):
-        return path
-    return os.path.join(args.get("model_repository") or os.getcwd(), path)
 
 class TritonPythonModel:
     """Detokenizer step of the ensemble (and of tensorrt_llm_bls)."""
@@ -152,7 +116,7 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(err))))
             except Exception:  # never let one request take the model down
                 pb_utils.Logger.log_error(f"postprocessing: {traceback.format_exc()}")
-                msg = f"postprocessing failed: {traceback.format_exc(limit=1).strip().splitlines()[-1]}"
+                msg = f"postprocessing failed: {last_error_line()}"
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(msg)))
         return responses
 

@@ -1,6 +1,7 @@
 """Triton Python model ``preprocessing``: text in, token ids out (upstream inflight_batcher_llm contract).
 
-kiln copies this file into generated repositories as ``preprocessing/1/model.py``; it must not import kiln.
+kiln copies this file into generated repositories as ``preprocessing/1/model.py``, with
+``kiln_triton_utils.py`` beside it (the only other module it imports from kiln's source; it must not import kiln).
 
 Inputs (``max_batch_size`` > 0, so each is ``[batch, ...]``): ``QUERY`` BYTES[1], ``REQUEST_OUTPUT_LEN``
 INT32[1]; optional ``BAD_WORDS_DICT``/``STOP_WORDS_DICT`` BYTES[-1], ``END_ID``/``PAD_ID`` INT32[1].
@@ -19,12 +20,9 @@ and hundreds of MB per stub, for identical ids). A bad request gets an error res
 the model keeps serving.
 """
 
-import locale
+from kiln_triton_utils import use_utf8_locale
 
-try:  # The stub runs Python in isolated mode with an ASCII locale: make open() & co. default to UTF-8.
-    locale.setlocale(locale.LC_CTYPE, "")
-except locale.Error:
-    locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+use_utf8_locale()
 
 import json  # noqa: E402
 import os  # noqa: E402
@@ -32,47 +30,19 @@ import traceback  # noqa: E402
 
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
+from kiln_triton_utils import (  # noqa: E402
+    RequestError,
+    get_bool_param,
+    get_int_param,
+    get_param,
+    input_array,
+    last_error_line,
+    resolve_path,
+)
 from tokenizers import Tokenizer  # noqa: E402
 
 #: Without max_seq_len / max_output_len, a max_tokens above this is refused as a client error.
 ABSURD_OUTPUT_LEN = 1 << 20
-_TRUE = {"1", "true", "t", "yes", "y", "on"}
-_FALSE = {"0", "false", "f", "no", "n", "off"}
-
-
-class RequestError(ValueError):
-    """A problem with one request; its message goes back to the client."""
-
-
-def get_param(model_config, key, default=None):
-    """A config.pbtxt parameter's string value, or ``default`` when absent, empty or an unfilled ``${...}``."""
-    value = model_config.get("parameters", {}).get(key, {}).get("string_value")
-    if value is None or value.strip() == "" or value.strip().startswith("${"):
-        return default
-    return value.strip()
-
-
-def get_bool_param(model_config, key, default):
-    """A boolean parameter (true/false/1/0/yes/no); a malformed value is a configuration error."""
-    value = get_param(model_config, key)
-    if value is None:
-        return default
-    if value.lower() in _TRUE:
-        return True
-    if value.lower() in _FALSE:
-        return False
-    raise ValueError(f"parameter {key!r} must be true or false, got {value!r}")
-
-
-def get_int_param(model_config, key, default):
-    """An integer parameter; a malformed value is a configuration error."""
-    value = get_param(model_config, key)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"parameter {key!r} must be an integer, got {value!r}") from None
 
 
 def _read_json(path):
@@ -149,11 +119,6 @@ def word_list_ids(tokenizer, rows, batch_size):
     return out
 
 
-def _optional(request, name):
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    return None if tensor is None else tensor.as_numpy()
-
-
 def _per_item(array, batch_size, name):
     """Values of a [batch, 1] (or [batch]) input as a list of batch_size ints."""
     flat = np.asarray(array).reshape(-1)
@@ -163,14 +128,6 @@ def _per_item(array, batch_size, name):
         raise RequestError(f"{name} must hold one value per batch item ({batch_size}), got shape {array.shape}")
     return [int(v) for v in flat]
 
-
-
-def resolve_path(args, path):
-    """A path parameter: absolute as given, relative to this model's directory (args["model_repository"]) —
-    so a packaged repository can be moved or mounted anywhere (e.g. at /models in a container)."""
-    if path is None or os.path.isabs(path):
-        return path
-    return os.path.join(args.get("model_repository") or os.getcwd(), path)
 
 class TritonPythonModel:
     """Tokenizer step of the ensemble (and of tensorrt_llm_bls)."""
@@ -215,7 +172,7 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(err))))
             except Exception:  # never let one request take the model down
                 pb_utils.Logger.log_error(f"preprocessing: {traceback.format_exc()}")
-                msg = f"preprocessing failed: {traceback.format_exc(limit=1).strip().splitlines()[-1]}"
+                msg = f"preprocessing failed: {last_error_line()}"
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(msg)))
         return responses
 
@@ -242,7 +199,7 @@ class TritonPythonModel:
     def _outputs(self, request):
         texts = self._texts(request)
         batch = len(texts)
-        out_len_in = _optional(request, "REQUEST_OUTPUT_LEN")
+        out_len_in = input_array(request, "REQUEST_OUTPUT_LEN")
         if out_len_in is None:
             raise RequestError("max_tokens (REQUEST_OUTPUT_LEN) is missing")
         out_lens = _per_item(out_len_in, batch, "max_tokens")
@@ -250,7 +207,7 @@ class TritonPythonModel:
         for i, (prompt, max_tokens) in enumerate(zip(ids, out_lens)):
             self._validate(i, len(prompt), max_tokens)
 
-        end_in, pad_in = _optional(request, "END_ID"), _optional(request, "PAD_ID")
+        end_in, pad_in = input_array(request, "END_ID"), input_array(request, "PAD_ID")
         end_ids = _per_item(end_in, batch, "end_id") if end_in is not None else [self.end_id] * batch
         pad_ids = _per_item(pad_in, batch, "pad_id") if pad_in is not None else [self.pad_id] * batch
 
@@ -263,8 +220,8 @@ class TritonPythonModel:
             "INPUT_ID": input_ids,
             "REQUEST_INPUT_LEN": np.array([[len(p)] for p in ids], dtype=np.int32),
             "REQUEST_OUTPUT_LEN": np.array([[n] for n in out_lens], dtype=np.int32),
-            "BAD_WORDS_IDS": word_list_ids(self.tokenizer, _optional(request, "BAD_WORDS_DICT"), batch),
-            "STOP_WORDS_IDS": word_list_ids(self.tokenizer, _optional(request, "STOP_WORDS_DICT"), batch),
+            "BAD_WORDS_IDS": word_list_ids(self.tokenizer, input_array(request, "BAD_WORDS_DICT"), batch),
+            "STOP_WORDS_IDS": word_list_ids(self.tokenizer, input_array(request, "STOP_WORDS_DICT"), batch),
             "OUT_END_ID": np.array([[e] for e in end_ids], dtype=np.int32),
             "OUT_PAD_ID": np.array([[p] for p in pad_ids], dtype=np.int32),
             "EMBEDDING_BIAS": np.zeros((batch, 0), dtype=np.float32),

@@ -1,6 +1,7 @@
 """Triton Python model ``tensorrt_llm`` for kiln's ``reference`` target: the quantized model on the CPU.
 
-kiln copies this file into generated repositories as ``tensorrt_llm/1/model.py``; it must not import kiln.
+kiln copies this file into generated repositories as ``tensorrt_llm/1/model.py``, with ``kiln_triton_utils.py``
+beside it (the only other module it imports from kiln's source; it must not import kiln).
 It serves the same tensors as upstream's ``tensorrt_llm`` model, so the ensemble, the BLS model and every
 client work unchanged. It is the correctness path for machines without a GPU, never the fast path.
 
@@ -45,12 +46,9 @@ default float32), ``max_batch_size`` (requests per step; default the config's ma
 (default 100), ``tokenizer_dir`` (for streaming chunk boundaries, default model_dir).
 """
 
-import locale
+from kiln_triton_utils import use_utf8_locale
 
-try:  # The stub runs Python in isolated mode with an ASCII locale; ModelOpt's imports need UTF-8 files.
-    locale.setlocale(locale.LC_CTYPE, "")
-except locale.Error:
-    locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+use_utf8_locale()  # ModelOpt's imports read files that need UTF-8
 
 import os  # noqa: E402
 
@@ -74,6 +72,16 @@ from dataclasses import dataclass, field  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
+from kiln_triton_utils import (  # noqa: E402
+    REPLACEMENT,
+    RequestError,
+    get_bool_param,
+    get_int_param,
+    get_param,
+    input_array,
+    last_error_line,
+    resolve_path,
+)
 from transformers.generation.continuous_batching.cb_logits_processors import (  # noqa: E402
     ContinuousBatchingLogitsProcessor,
     ContinuousBatchingLogitsProcessorList,
@@ -82,53 +90,12 @@ from transformers.generation.logits_process import LogitsProcessorList  # noqa: 
 
 _MODULE_IMPORT_SECONDS = time.monotonic() - _MODULE_IMPORT_START
 
-REPLACEMENT = "\ufffd"
 #: Longest a streamed chunk is held back waiting for the rest of a UTF-8 character (a character is <= 4 bytes).
 MAX_HOLD_TOKENS = 4
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_TRUE = {"1", "true", "t", "yes", "y", "on"}
-_FALSE = {"0", "false", "f", "no", "n", "off"}
-
-
-class RequestError(ValueError):
-    """A problem with one request; its message goes back to the client and the model keeps serving."""
 
 
 # ---------------------------------------------------------------------------------------------- parameters
-def get_param(model_config, key, default=None):
-    """A config.pbtxt parameter's string value, or ``default`` when absent, empty or an unfilled ``${...}``."""
-    value = model_config.get("parameters", {}).get(key, {}).get("string_value")
-    if value is None or value.strip() == "" or value.strip().startswith("${"):
-        return default
-    return value.strip()
-
-
-def get_bool_param(model_config, key, default):
-    """A boolean parameter (true/false/1/0/yes/no); a malformed value is a configuration error."""
-    value = get_param(model_config, key)
-    if value is None:
-        return default
-    if value.lower() in _TRUE:
-        return True
-    if value.lower() in _FALSE:
-        return False
-    raise ValueError(f"parameter {key!r} must be true or false, got {value!r}")
-
-
-def get_int_param(model_config, key, default, minimum=None):
-    """An integer parameter; a malformed or too small value is a configuration error."""
-    value = get_param(model_config, key)
-    if value is None:
-        return default
-    try:
-        number = int(value)
-    except ValueError:
-        raise ValueError(f"parameter {key!r} must be an integer, got {value!r}") from None
-    if minimum is not None and number < minimum:
-        raise ValueError(f"parameter {key!r} must be at least {minimum}, got {number}")
-    return number
-
-
 @dataclass
 class RuntimeSettings:
     """Everything the model reads from config.pbtxt."""
@@ -153,14 +120,6 @@ class RuntimeSettings:
     def num_blocks(self):
         return max(1, math.ceil(self.kv_cache_tokens / self.tokens_per_block))
 
-
-
-def resolve_path(args, path):
-    """A path parameter: absolute as given, relative to this model's directory (args["model_repository"]) —
-    so a packaged repository can be moved or mounted anywhere (e.g. at /models in a container)."""
-    if path is None or os.path.isabs(path):
-        return path
-    return os.path.join(args.get("model_repository") or os.getcwd(), path)
 
 def read_settings(model_config, args=None):
     """Parse and check the parameters; errors name the parameter and say what is expected."""
@@ -422,15 +381,10 @@ class Job:
     finished: bool = False
 
 
-def _input(request, name):
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    return None if tensor is None else tensor.as_numpy()
-
-
 def _scalars(request, name, batch_size, cast, *aliases):
     """Per-item values of an optional [batch, 1] input (None when absent)."""
     for key in (name,) + aliases:
-        array = _input(request, key)
+        array = input_array(request, key)
         if array is not None:
             flat = np.asarray(array).reshape(-1)
             if flat.size == 1:
@@ -550,7 +504,7 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                stop = _input(request, "stop")
+                stop = input_array(request, "stop")
                 if stop is not None and np.asarray(stop).any():
                     self._stop_request(request, sender)
                     continue
@@ -562,12 +516,12 @@ class TritonPythonModel:
                 self._send_error(sender, str(err))
             except Exception:
                 pb_utils.Logger.log_error(f"tensorrt_llm (reference): {traceback.format_exc()}")
-                self._send_error(sender, f"internal error: {traceback.format_exc(limit=1).strip().splitlines()[-1]}")
+                self._send_error(sender, f"internal error: {last_error_line()}")
         return None
 
     def _parse(self, request, sender):
         s = self.settings
-        ids = _input(request, "input_ids")
+        ids = input_array(request, "input_ids")
         if ids is None:
             raise RequestError("input_ids is missing")
         ids = np.asarray(ids)
@@ -599,9 +553,9 @@ class TritonPythonModel:
         top_ps = _scalars(request, "runtime_top_p", batch, float)
         seeds = _scalars(request, "seed", batch, int, "random_seed")
         min_tokens = _scalars(request, "min_tokens", batch, int, "min_length")
-        stops = word_lists(_input(request, "stop_words_list"), batch)
-        bads = word_lists(_input(request, "bad_words_list"), batch)
-        drafts = _input(request, "draft_input_ids")
+        stops = word_lists(input_array(request, "stop_words_list"), batch)
+        bads = word_lists(input_array(request, "bad_words_list"), batch)
+        drafts = input_array(request, "draft_input_ids")
         if drafts is not None:
             drafts = np.asarray(drafts).reshape(batch, -1)
 
@@ -729,7 +683,7 @@ class TritonPythonModel:
             with self._lock:
                 entry = self._by_rid.get(out.request_id)
             if entry is not None:
-                self._fail_job(entry[0], f"internal error: {traceback.format_exc(limit=1).strip().splitlines()[-1]}")
+                self._fail_job(entry[0], f"internal error: {last_error_line()}")
 
     def _on_output(self, out):
         with self._lock:

@@ -1,0 +1,133 @@
+"""kiln's ``tensorrt_llm_bls`` model in process: preprocessing -> tensorrt_llm (kiln's reference runtime on a tiny
+quantized Llama, plus a draft model) -> postprocessing through BLS calls on the stand-in for
+``triton_python_backend_utils`` (see triton_harness). Marked ``integration`` (real ModelOpt model).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from triton_harness import (  # noqa: F401 - fixtures are used by name
+    BLS_MODELS,
+    PRE_OUTPUTS,
+    FakeLogger,
+    FakeRequest,
+    build_tiny_model,
+    error_of,
+    hf_greedy,
+    hf_model,
+    llm,
+    load_model_module,
+    model_args,
+    pb_utils,
+    ref,
+    start_reference,
+    text_array,
+    tiny_model,
+    tokenizer,
+)
+
+
+# ============================================================================ tensorrt_llm_bls, in process
+@pytest.fixture(scope="module")
+def draft_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.getbasetemp() / "kiln-tiny-int8sq-draft", seed=1)
+
+
+@pytest.fixture(scope="module")
+def bls_pipeline(pb_utils: Any, ref: Any, llm: Any, tiny_model: Path, draft_model_dir: Path) -> Any:
+    """preprocessing, tensorrt_llm (+ a draft model) and postprocessing reachable by BLS calls."""
+    pre = load_model_module("preprocessing").TritonPythonModel()
+    pre.initialize(model_args({"tokenizer_dir": tiny_model}, PRE_OUTPUTS))
+    post = load_model_module("postprocessing").TritonPythonModel()
+    post.initialize(model_args({"tokenizer_dir": tiny_model}, {"OUTPUT": "TYPE_STRING"}))
+    draft = start_reference(ref, draft_model_dir, decoupled=True)
+    BLS_MODELS.update(preprocessing=pre, postprocessing=post, tensorrt_llm=llm, draft_same=llm, draft_other=draft)
+    yield load_model_module("bls")
+    draft.finalize()
+    BLS_MODELS.clear()
+
+
+def start_bls(bls: Any, decoupled: bool = True, **params: Any) -> Any:
+    model = bls.TritonPythonModel()
+    model.initialize(model_args(params, {"text_output": "TYPE_STRING"}, decoupled))
+    return model
+
+
+def bls_text(model: Any, prompt: str, max_tokens: int, **extra: Any) -> tuple[list[str], FakeRequest]:
+    inputs = {"text_input": text_array(prompt), "max_tokens": np.array([[max_tokens]], np.int32)}
+    inputs.update({k: np.array([[v]]) for k, v in extra.items()})
+    request = FakeRequest(inputs)
+    model.execute([request])
+    pieces = []
+    for resp in request.sender.wait():
+        assert not resp.has_error(), resp.error().message()
+        pieces.append(resp.get("text_output")[0, 0].decode("utf-8"))
+    return pieces, request
+
+
+@pytest.mark.integration
+def test_bls_streams_whole_characters_and_matches_greedy(bls_pipeline: Any, hf_model: Any, tokenizer: Any) -> None:
+    bls = start_bls(bls_pipeline)
+    prompt = "東京 😀 café"
+    expected = tokenizer.decode(hf_greedy(hf_model, tokenizer.encode(prompt).ids, 30))
+    pieces, _ = bls_text(bls, prompt, 30, stream=True)
+    assert len(pieces) > 1 and "".join(pieces) == expected
+    whole, _ = bls_text(bls, prompt, 30, exclude_input_in_output=True)
+    assert whole == [expected]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("draft", ["draft_same", "draft_other"])
+def test_bls_speculative_decoding_gives_the_target_greedy_output(
+    bls_pipeline: Any, hf_model: Any, tokenizer: Any, draft: str
+) -> None:
+    bls = start_bls(bls_pipeline, tensorrt_llm_draft_model_name=draft, num_draft_tokens=3)
+    prompt = "Beautiful is better than"
+    expected = tokenizer.decode(hf_greedy(hf_model, tokenizer.encode(prompt).ids, 25))
+    FakeLogger.lines.clear()
+    [text], _ = bls_text(bls, prompt, 25, exclude_input_in_output=True)
+    assert text == expected
+    [text], _ = bls_text(bls, prompt, 25)
+    assert text == prompt + expected, "the prompt comes back unless exclude_input_in_output"
+    streamed_text, _ = bls_text(bls, prompt, 25, stream=True)
+    assert "".join(streamed_text) == expected
+    rates = [m for _, m in FakeLogger.lines if "speculative decoding accepted" in m]
+    assert rates, FakeLogger.lines
+    if draft == "draft_same":
+        assert all("(100%)" in m for m in rates), rates
+
+
+@pytest.mark.integration
+def test_bls_stops_the_model_request_when_the_client_cancels(bls_pipeline: Any, llm: Any) -> None:
+    bls = start_bls(bls_pipeline)
+    inputs = {"text_input": text_array("The quick"), "max_tokens": np.array([[1000]], np.int32),
+              "stream": np.array([[True]]), "end_id": np.array([[-1]], np.int32)}
+    request = FakeRequest(inputs)
+    bls.execute([request])
+    deadline = time.monotonic() + 60
+    while not request.sender.sent and time.monotonic() < deadline:
+        time.sleep(0.005)
+    request.sender.cancelled = True
+    request.sender.wait(timeout=30)
+    deadline = time.monotonic() + 3  # generating all 1000 tokens would take far longer
+    while llm._jobs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not llm._jobs, "the reference model's request was stopped too"
+    assert any("stopped by a stop request" in m for _, m in FakeLogger.lines)
+
+
+@pytest.mark.integration
+def test_bls_reports_request_errors(bls_pipeline: Any) -> None:
+    bls = start_bls(bls_pipeline, decoupled=False)
+    request = FakeRequest({"text_input": text_array(""), "max_tokens": np.array([[4]], np.int32)})
+    bls.execute([request])
+    assert "text_input is empty" in error_of(request.sender.wait()[0])
+    request = FakeRequest({"text_input": text_array("hi"), "max_tokens": np.array([[4]], np.int32),
+                           "stream": np.array([[True]])})
+    bls.execute([request])
+    assert "decoupled" in error_of(request.sender.wait()[0])
