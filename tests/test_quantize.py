@@ -57,9 +57,10 @@ def test_no_quantization_means_no_config() -> None:
 def test_presets_are_copied_not_edited(fmt: str) -> None:
     import modelopt.torch.quantization as mtq
 
-    from kiln.steps.quantize import MODELOPT_CONFIGS, build_quant_config
+    from kiln.recipe.formats import weight_format
+    from kiln.steps.quantize import build_quant_config
 
-    preset = getattr(mtq, MODELOPT_CONFIGS[fmt])
+    preset = getattr(mtq, weight_format(fmt).modelopt_config)
     before = copy.deepcopy(preset)
     cfg = build_quant_config(make_recipe(quantization={"format": fmt, "kv_cache": "fp8", "awq_block_size": 64,
                                                        "exclude_modules": ["lm_head", "*.mlp.down_proj"]}))

@@ -1,7 +1,6 @@
 """``kiln plan``: memory, KV-cache and roofline arithmetic for a recipe on a GPU (no GPU needed)."""
 
 from kiln.plan.errors import PlanError
-from kiln.plan.formats import KV_CACHE_DTYPES, WEIGHT_FORMATS
 from kiln.plan.model import (
     ModelShape,
     load_model_config,
@@ -13,8 +12,6 @@ from kiln.plan.planner import Plan, PlanInputs, make_plan, resolve_gpu, valid_tp
 from kiln.plan.render import render_plan
 
 __all__ = [
-    "KV_CACHE_DTYPES",
-    "WEIGHT_FORMATS",
     "ModelShape",
     "Plan",
     "PlanError",

@@ -53,7 +53,7 @@ def plan_inputs(recipe, config: dict, max_seq_len: Optional[int] = None):
                       max_input_len=b.max_input_len, max_seq_len=seq + b.speculative.max_draft_len,
                       max_num_tokens=b.max_num_tokens, tokens_per_block=b.tokens_per_block,
                       kv_cache_free_gpu_mem_fraction=s.kv_cache_free_gpu_mem_fraction,
-                      max_tokens_in_paged_kv_cache=s.max_tokens_in_paged_kv_cache)
+                      max_tokens_in_paged_kv_cache=s.max_tokens_in_paged_kv_cache, target=recipe.target)
 
 
 def fit_warnings(loaded: LoadedRecipe) -> list[Problem]:
