@@ -290,7 +290,8 @@ def kiln_with_new_format(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(SRC / "kiln", root / "kiln", ignore=shutil.ignore_patterns("__pycache__"))
     registry = root / "kiln" / "recipe" / "data" / "formats.yaml"
     text = registry.read_text(encoding="utf-8")
-    registry.write_text(text.replace("\nkv_cache_formats:\n", NEW_FORMAT + "\nkv_cache_formats:\n", 1), encoding="utf-8")
+    registry.write_text(text.replace("\nkv_cache_formats:\n", NEW_FORMAT + "\nkv_cache_formats:\n", 1),
+                        encoding="utf-8")
     return root
 
 

@@ -256,11 +256,13 @@ class Registry(_Frozen):
                 problems += [f"{key}.support.{t}: unknown target (known: {', '.join(self.targets)})"
                              for t in fmt.support if t not in self.targets]
                 cuda = [fmt.fake_quant_needs_cuda.source] if fmt.fake_quant_needs_cuda else []
-                problems += [f"{key}.fake_quant_needs_cuda: unknown source {s!r}" for s in cuda if s not in self.sources]
+                problems += [f"{key}.fake_quant_needs_cuda: unknown source {s!r}"
+                             for s in cuda if s not in self.sources]
                 for target, sup in fmt.support.items():
                     cited = ([sup.min_sm.source] if sup.min_sm else []) + [r.source for r in sup.refused] \
                         + ([sup.unsupported.source] if sup.unsupported else [])
-                    problems += [f"{key}.support.{target}: unknown source {s!r}" for s in cited if s not in self.sources]
+                    problems += [f"{key}.support.{target}: unknown source {s!r}"
+                                 for s in cited if s not in self.sources]
                     problems += [f"{key}.support.{target}.refused: empty SM range {r.sm}" for r in sup.refused
                                  if r.sm[1] is not None and r.sm[1] <= r.sm[0]]
             algo_field, valid = (("quant_algo", algos.quant_algos) if table == "weight_formats"

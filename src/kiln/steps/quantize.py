@@ -208,7 +208,8 @@ def calib_sample_count(recipe: Recipe) -> int:
 
 def needs_calibration(recipe: Recipe) -> bool:
     q = recipe.quantization
-    return weight_format(q.format).modelopt_config is not None or kv_cache_format(q.kv_cache).modelopt_config is not None
+    return (weight_format(q.format).modelopt_config is not None
+            or kv_cache_format(q.kv_cache).modelopt_config is not None)
 
 
 def _check_device(recipe: Recipe) -> None:
