@@ -166,6 +166,29 @@ def test_validate_and_plan_give_the_same_format_verdict_on_every_gpu(path: Path)
             assert plan.verdict == f"does not run on {gpu.name}: {refusals[0]}"
 
 
+def test_the_engine_step_refuses_what_validate_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """why_not_buildable on a B200 host. Stand-ins (not a GPU run): `tensorrt_llm` reported installed and
+    nvidia-smi reporting one B200; the verdict is the registry's, word for word what `kiln validate` says."""
+    import importlib.util
+
+    from kiln.steps import engine
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(engine.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "tensorrt_llm" else real_find_spec(name, *a))
+    monkeypatch.setattr(engine, "detect_gpus", lambda: ("B200", 1))
+    for sets, key in ((["quantization.format=w4a8_awq"], "quantization.format"),
+                      (["quantization.kv_cache=int8"], "quantization.kv_cache")):
+        recipe = load_recipe(REPO_ROOT / "configs" / "llama-3.1-8b" / "fp8.yaml",
+                             [*sets, "hardware.gpu=B200", "quantization.calibration.samples=32"],
+                             check_rules=False).recipe
+        (refusal,) = [p for p in check_rules(recipe) if p.key == key and p.severity == "error"]
+        reason = engine.why_not_buildable(recipe)
+        assert reason == f"on this machine's GPU: {refusal.message}. To proceed: {refusal.hint}"
+    ok = load_recipe(REPO_ROOT / "configs" / "llama-3.1-8b" / "fp8.yaml", ["hardware.gpu=B200"]).recipe
+    assert engine.why_not_buildable(ok) is None
+
+
 # ------------------------------------------------------------------------------ facts from upstream
 
 
