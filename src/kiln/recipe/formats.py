@@ -49,7 +49,6 @@ __all__ = [
     "formats_that_run",
     "kv_formats_that_run",
     "gpus_that_run",
-    "weight_format_for_quant_algo",
     "kv_format_for_quant_algo",
 ]
 
@@ -328,11 +327,6 @@ def kv_cache_format_names() -> tuple[str, ...]:
 
 def target_names() -> tuple[str, ...]:
     return tuple(registry().targets)
-
-
-def weight_format_for_quant_algo(quant_algo: Optional[str]) -> Optional[WeightFormat]:
-    """The weight format whose checkpoint says ``quant_algo`` (None when kiln has none)."""
-    return next((f for f in registry().weight_formats.values() if f.quant_algo == quant_algo), None)
 
 
 def kv_format_for_quant_algo(kv_cache_quant_algo: Optional[str]) -> Optional[KVCacheFormat]:
