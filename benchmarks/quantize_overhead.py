@@ -52,25 +52,26 @@ def bare_run(loaded: Any, model_dir: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kiln.models.tiny import calibration_texts
-    from kiln.steps.quantize import AWQ_MAX_SAMPLES, MODELOPT_CONFIGS
+    from kiln.recipe.formats import kv_cache_format, weight_format
 
     r = loaded.recipe
     q, c = r.quantization, r.quantization.calibration
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    n = min(c.samples, AWQ_MAX_SAMPLES) if "awq" in q.format else c.samples
+    fmt, kv = weight_format(q.format), kv_cache_format(q.kv_cache)
+    n = min(c.samples, fmt.calibration.max_samples or c.samples)
     texts = calibration_texts()[:n]
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, r.model.dtype)).eval()
     model.save_pretrained(str(out / "checkpoint"))
     tok.save_pretrained(str(out / "checkpoint"))
-    cfg = copy.deepcopy(getattr(mtq, MODELOPT_CONFIGS[q.format]))
-    if "awq" in q.format:
+    cfg = copy.deepcopy(getattr(mtq, str(fmt.modelopt_config)))
+    if fmt.uses_awq_block_size:
         for e in cfg["quant_cfg"]:
             if e.get("quantizer_name") == "*weight_quantizer":
                 attrs = e["cfg"][0] if isinstance(e["cfg"], list) else e["cfg"]
                 attrs["block_sizes"][-1] = q.awq_block_size
-    if q.kv_cache == "fp8":
+    if kv.modelopt_config is not None and kv.modelopt_num_bits is None:
         with contextlib.redirect_stdout(io.StringIO()):
-            cfg = update_quant_cfg_with_kv_cache_quant(cfg, mtq.FP8_KV_CFG["quant_cfg"])
+            cfg = update_quant_cfg_with_kv_cache_quant(cfg, getattr(mtq, kv.modelopt_config)["quant_cfg"])
     cfg["quant_cfg"].append({"quantizer_name": "lm_head.*", "enable": False})
     enc = [tok(t, truncation=True, max_length=c.max_seq_len, return_tensors="pt") for t in texts]
 

@@ -270,7 +270,7 @@ def test_int8_smoothquant_refused_on_blackwell_and_fp8_on_ampere(llama8b: dict) 
     a100 = make_plan(_inputs(llama8b, weight_format="fp8"), GPUS["A100-80GB"])
     assert a100.first_limit == "format" and "SM 89+" in a100.verdict
     kv = make_plan(_inputs(llama8b, kv_cache="fp8"), GPUS["A100-80GB"])
-    assert kv.first_limit == "format" and "fp8 KV cache" in kv.verdict
+    assert kv.first_limit == "format" and "FP8 KV cache needs SM 89+" in kv.verdict
 
 
 def test_awq_block_size_64(llama8b: dict) -> None:
@@ -436,7 +436,7 @@ def test_moe_config_is_refused(llama8b: dict) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"weight_format": "int3"}, "unknown weight format 'int3'; known formats: none, fp8"),
+        ({"weight_format": "int3"}, "unknown weight format 'int3'; known weight formats: none, fp8"),
         ({"kv_cache": "fp4"}, "kv_cache 'fp4' unknown; known values: none, fp8, int8"),
         ({"dtype": "half"}, "unknown dtype 'half'; known dtypes: float16, bfloat16, float32"),
         ({"tp": 0}, "tp must be a positive integer"),

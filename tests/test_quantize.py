@@ -57,9 +57,10 @@ def test_no_quantization_means_no_config() -> None:
 def test_presets_are_copied_not_edited(fmt: str) -> None:
     import modelopt.torch.quantization as mtq
 
-    from kiln.steps.quantize import MODELOPT_CONFIGS, build_quant_config
+    from kiln.recipe.formats import weight_format
+    from kiln.steps.quantize import build_quant_config
 
-    preset = getattr(mtq, MODELOPT_CONFIGS[fmt])
+    preset = getattr(mtq, weight_format(fmt).modelopt_config)
     before = copy.deepcopy(preset)
     cfg = build_quant_config(make_recipe(quantization={"format": fmt, "kv_cache": "fp8", "awq_block_size": 64,
                                                        "exclude_modules": ["lm_head", "*.mlp.down_proj"]}))
@@ -182,10 +183,10 @@ def test_exported_checkpoint_check(tmp_path: Path) -> None:
 
 
 def test_gate_message_says_by_how_much() -> None:
-    from kiln.steps.evaluate import check_gate
+    from kiln.steps.evaluate import EvaluateResult, check_gate
 
-    result = {"format": "int4_awq", "base_perplexity": 12.1, "quant_perplexity": 14.93,
-              "ppl_increase_pct": 23.39, "mean_kl": 0.05}
+    result = EvaluateResult(format="int4_awq", base_perplexity=12.1, quant_perplexity=14.93, ppl_increase_pct=23.39,
+                            mean_kl=0.05)
     r = make_recipe(evaluation={"max_ppl_increase_pct": 10.0})
     msg = check_gate(r, result)
     assert msg is not None
@@ -194,14 +195,14 @@ def test_gate_message_says_by_how_much() -> None:
     assert check_gate(make_recipe(evaluation={"max_ppl_increase_pct": 30.0}), result) is None
     kl = check_gate(make_recipe(evaluation={"max_ppl_increase_pct": None, "max_kl": 0.01}), result)
     assert kl is not None and "0.05" in kl and "evaluation.max_kl" in kl
-    assert check_gate(r, {"skipped": True}) is None
+    assert check_gate(r, EvaluateResult(skipped=True)) is None
 
 
 def test_gate_reports_small_changes_with_enough_digits() -> None:
-    from kiln.steps.evaluate import check_gate
+    from kiln.steps.evaluate import EvaluateResult, check_gate
 
-    result = {"format": "fp8", "base_perplexity": 10.0, "quant_perplexity": 10.016, "ppl_increase_pct": 0.16,
-              "mean_kl": 0.001}
+    result = EvaluateResult(format="fp8", base_perplexity=10.0, quant_perplexity=10.016, ppl_increase_pct=0.16,
+                            mean_kl=0.001)
     msg = check_gate(make_recipe(evaluation={"max_ppl_increase_pct": 0.05}), result)
     assert msg is not None and "rose 0.16%" in msg
 
@@ -478,10 +479,10 @@ def test_format_produces_trtllm_checkpoint_and_quality_report(built: Callable, f
     from safetensors import safe_open
     from transformers import AutoTokenizer
 
-    from kiln.steps.evaluate import check_gate
+    from kiln.steps.evaluate import EvaluateResult, check_gate
 
     recipe, qdir, q_res, edir, e_res = built(fid)
-    assert (q_res["quant_algo"], q_res["kv_cache_quant_algo"]) == (quant_algo, kv_algo)
+    assert (q_res.quant_algo, q_res.kv_cache_quant_algo) == (quant_algo, kv_algo)
 
     trt = qdir / "trtllm_checkpoint"
     config = json.loads((trt / "config.json").read_text())
@@ -512,7 +513,7 @@ def test_format_produces_trtllm_checkpoint_and_quality_report(built: Callable, f
         assert math.isfinite(quality[k]) and quality[k] >= 0
     assert quality["mean_kl"] > 0  # quantization changes something
     assert quality["base_perplexity"] < 1000  # the tiny model learned something
-    assert e_res["ppl_increase_pct"] == quality["ppl_increase_pct"]
+    assert e_res.ppl_increase_pct == quality["ppl_increase_pct"]
     if fid == "default":  # the shipped recipe passes its own gate
         assert check_gate(recipe, e_res) is None, check_gate(recipe, e_res)
 
@@ -543,16 +544,16 @@ def test_restored_model_equals_the_calibrated_one(built: Callable, fid: str) -> 
 
 @pytest.mark.integration
 def test_tighter_gate_than_achieved_fails_with_the_figures(built: Callable) -> None:
-    from kiln.steps.evaluate import check_gate
+    from kiln.steps.evaluate import EvaluateResult, check_gate
 
     recipe, _, _, _, e_res = built("int4_wo")
     tight = recipe.model_copy(update={"evaluation": recipe.evaluation.model_copy(
-        update={"max_ppl_increase_pct": e_res["ppl_increase_pct"] / 2 if e_res["ppl_increase_pct"] > 0 else None,
-                "max_kl": e_res["mean_kl"] / 2})})
+        update={"max_ppl_increase_pct": e_res.ppl_increase_pct / 2 if e_res.ppl_increase_pct > 0 else None,
+                "max_kl": e_res.mean_kl / 2})})
     msg = check_gate(tight, e_res)
-    assert msg is not None and "evaluation.max_kl" in msg and f"{e_res['mean_kl']:.4g}" in msg
+    assert msg is not None and "evaluation.max_kl" in msg and f"{e_res.mean_kl:.4g}" in msg
     loose = recipe.model_copy(update={"evaluation": recipe.evaluation.model_copy(
-        update={"max_ppl_increase_pct": None, "max_kl": e_res["mean_kl"] * 2})})
+        update={"max_ppl_increase_pct": None, "max_kl": e_res.mean_kl * 2})})
     assert check_gate(loose, e_res) is None
 
 
@@ -570,7 +571,7 @@ def test_reference_target_writes_no_trtllm_checkpoint_and_skipped_evaluation(bui
     recipe, qdir, q_res, edir, e_res = built("fp8", ("target=reference", "evaluation.enabled=false"))
     assert recipe.target == "reference" and not (qdir / "trtllm_checkpoint").exists()
     assert (qdir / "checkpoint" / "modelopt_state.pth").is_file()
-    assert q_res["quant_algo"] == "FP8"  # what the format maps to, recorded for the manifest
+    assert q_res.quant_algo == "FP8"  # what the format maps to, recorded for the manifest
     assert json.loads((edir / "quality.json").read_text()) == {"skipped": True,
                                                                "reason": "evaluation.enabled is false"}
-    assert e_res == {"skipped": True}
+    assert e_res.skipped and e_res.base_perplexity is None

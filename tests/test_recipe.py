@@ -315,29 +315,45 @@ def test_rule_format_needs_sm(base, fmt, bad_gpu, good_gpu, need):
     errors, _ = findings(base, f"quantization.format={fmt}", f"hardware.gpu={bad_gpu}")
     problem = only(errors, "quantization.format")
     assert f"needs SM {need}+" in problem.message and bad_gpu in problem.message
-    assert all(name in problem.hint for name in gpus_with_sm(need))
+    # the hint names every GPU of the table that runs the format: SM high enough and not refused there
+    runs = [g for g in gpus_with_sm(need) if not (fmt == "w4a8_awq" and 100 <= lookup_gpu(g).sm < 120)]
+    assert runs and all(name in problem.hint for name in runs)
     assert findings(base, f"quantization.format={fmt}", f"hardware.gpu={good_gpu}")[0] == []
 
 
-@pytest.mark.parametrize("fmt", ["int8_sq", "int8_wo", "int4_wo"])
+@pytest.mark.parametrize("fmt", ["int8_sq", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq"])
 def test_rule_formats_refused_on_blackwell(base, fmt):
-    errors, _ = findings(base, f"quantization.format={fmt}", "hardware.gpu=B200")
-    assert "refuses" in only(errors, "quantization.format").message
+    """trtllm-build 1.2.1 builder.build() refuses INT8/INT4 weight-only modes (W4A16_AWQ and W4A8_AWQ among
+    them) and SmoothQuant on SM 100-119; the hint offers a format B200 runs, never another refused one."""
+    errors, _ = findings(base, f"quantization.format={fmt}", "hardware.gpu=B200",
+                         "quantization.calibration.samples=32")
+    problem = only(errors, "quantization.format")
+    assert "trtllm-build 1.2.1 refuses" in problem.message and "SM 100-119" in problem.message
     assert lookup_gpu("B200").sm == 100
-    assert findings(base, f"quantization.format={fmt}", "hardware.gpu=H100-SXM")[0] == []
-    assert findings(base, f"quantization.format={fmt}", "hardware.gpu=A100-80GB")[0] == []
+    suggested = problem.hint.split("quantization.format: ")[1].split()[0]
+    assert suggested == "fp8", problem.hint
+    for gpu in ("H100-SXM", "L40S"):
+        assert findings(base, f"quantization.format={fmt}", f"hardware.gpu={gpu}",
+                        "quantization.calibration.samples=32")[0] == [], gpu
 
 
-def test_rule_int4_awq_runs_on_blackwell_and_ampere(base):
-    for gpu in ("B200", "A100-80GB"):
-        assert findings(base, "quantization.format=int4_awq", f"hardware.gpu={gpu}",
-                        "quantization.calibration.samples=32")[0] == []
+@pytest.mark.parametrize("fmt", ["int8_sq", "int8_wo", "int4_wo", "int4_awq"])
+def test_rule_ampere_formats_run_on_a100(base, fmt):
+    assert findings(base, f"quantization.format={fmt}", "hardware.gpu=A100-80GB",
+                    "quantization.calibration.samples=32")[0] == []
 
 
-def test_rule_fp8_kv_cache_needs_sm89(base):
+def test_rule_kv_cache_vs_gpu(base):
     errors, _ = findings(base, "quantization.kv_cache=fp8", "hardware.gpu=A100-80GB")
-    assert "FP8 KV cache needs SM 89+" in only(errors, "quantization.kv_cache").message
+    problem = only(errors, "quantization.kv_cache")
+    assert "FP8 KV cache needs SM 89+" in problem.message
+    assert "use quantization.kv_cache: int8 instead" in problem.hint
     assert findings(base, "quantization.kv_cache=fp8", "hardware.gpu=H100-SXM")[0] == []
+    # builder.build() of 1.2.1 refuses an INT8 KV cache on SM 100-119 ("INT8/INT4 quantization ...")
+    errors, _ = findings(base, "quantization.kv_cache=int8", "hardware.gpu=B200")
+    problem = only(errors, "quantization.kv_cache")
+    assert "refuses INT8 KV cache on SM 100-119" in problem.message
+    assert "use quantization.kv_cache: fp8 instead" in problem.hint
 
 
 def test_rule_format_rules_skip_reference_target_and_unnamed_gpu(base):
@@ -457,7 +473,9 @@ def test_rule_speculative_heads_on_tensorrt_and_beam_without_speculation(base):
 
 def test_rule_nvfp4_on_reference_target(base):
     errors, _ = findings(base, "target=reference", "quantization.format=nvfp4")
-    assert "needs a CUDA GPU" in only(errors, "quantization.format").message
+    problem = only(errors, "quantization.format")
+    assert "needs a CUDA GPU" in problem.message and "the reference target runs on CPU" in problem.message
+    assert "target: tensorrt" in problem.hint
     assert findings(base, "target=reference", "quantization.format=int4_awq",
                     "quantization.calibration.samples=32")[0] == []
 

@@ -249,6 +249,17 @@ def test_kv_reuse_without_paged_context_fmha(gpu_repo):
     assert any("enable_chunked_context is on" in f for f in found)
 
 
+def test_kv_reuse_with_an_int8_kv_cache_engine(gpu_repo):
+    """TensorRT-LLM turns paged context FMHA off with an INT8 KV cache (the format registry's
+    disables_paged_context_fmha): KV reuse on such an engine is an error."""
+    cfg_path = gpu_repo / "tensorrt_llm" / "1" / "engine" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["pretrained_config"].setdefault("quantization", {})["kv_cache_quant_algo"] = "int8"
+    cfg_path.write_text(json.dumps(cfg))
+    assert any("enable_kv_cache_reuse is on but the engine's INT8 KV cache disables paged context FMHA" in f
+               for f in errors(gpu_repo))
+
+
 def test_tokenizer_missing(gpu_repo):
     shutil.rmtree(gpu_repo / "preprocessing" / "1" / "tokenizer")
     assert any("[preprocessing] tokenizer directory" in f and "does not exist" in f for f in errors(gpu_repo))

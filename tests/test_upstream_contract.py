@@ -273,10 +273,21 @@ def test_check_flags_reports_repeats_and_bad_list_members() -> None:
 
 
 def test_quant_algo_values() -> None:
-    assert "INT8" not in tf.QUANT_ALGOS and "INT8" in tf.KV_CACHE_QUANT_ALGOS
-    assert {"FP8", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL", "W4A8_AWQ", "NVFP4", "MIXED_PRECISION"} <= tf.QUANT_ALGOS
-    assert tf.KV_CACHE_QUANT_ALGOS == {"FP8", "INT8", "NVFP4"}
-    assert set(tf.QUANT_ALGO_MIN_SM) <= tf.QUANT_ALGOS
-    assert tf.SM_100_TO_119_REFUSED_QUANT_ALGOS <= tf.QUANT_ALGOS
+    """TensorRT-LLM 1.2.1's QuantAlgo lists live in the format registry, with their source (mode.py)."""
+    from kiln.recipe.formats import registry
+
+    reg = registry()
+    algos = reg.trtllm_quant_algos
+    assert "INT8" not in algos.quant_algos and "INT8" in algos.kv_cache_quant_algos
+    assert {"FP8", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL", "W4A8_AWQ", "NVFP4", "MIXED_PRECISION"} <= algos.quant_algos
+    assert set(algos.kv_cache_quant_algos) == {"FP8", "INT8", "NVFP4"}
+    assert len(algos.members) == 25 and len(set(algos.members)) == 25
+    assert "quantization/mode.html" in reg.sources[algos.source].path
+    assert reg.sources[algos.source].commit == "58fb435eacc402f3bd177e60f592c955d2b0719d"
+
+
+def test_flag_table_data_names_its_sources() -> None:
+    assert tf.TRTLLM_VERSION_SOURCE["version"] == "1.2.1"
+    assert tf.TRTLLM_VERSION_SOURCE["flags"]["path"].startswith("1.2.1/commands/trtllm-build.html")
     assert tf.SM_100_UNSUPPORTED_PLUGIN_FLAGS <= set(tf.BUILD_FLAGS)
-    assert tf.QUANT_ALGO_MIN_SM["NVFP4"] == 100 and tf.QUANT_ALGO_MIN_SM["FP8"] == 89
+    assert tf.FP8_CONTEXT_FMHA_MIN_SM == 89

@@ -1,7 +1,6 @@
 """``kiln plan``: memory, KV-cache and roofline arithmetic for a recipe on a GPU (no GPU needed)."""
 
 from kiln.plan.errors import PlanError
-from kiln.plan.formats import KV_CACHE_DTYPES, WEIGHT_FORMATS
 from kiln.plan.model import (
     ModelShape,
     load_model_config,
@@ -14,8 +13,6 @@ from kiln.plan.recipe import plan_for, plan_gpu, plan_inputs, recipe_model_confi
 from kiln.plan.render import render_plan
 
 __all__ = [
-    "KV_CACHE_DTYPES",
-    "WEIGHT_FORMATS",
     "ModelShape",
     "Plan",
     "PlanError",

@@ -16,32 +16,33 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from fractions import Fraction
 from typing import Any
 
-from kiln.plan.arithmetic import (
-    StageWeights,
-    activation_bytes_per_token,
-    gemm_seconds,
-    kv_heads_per_rank,
-    stage_layers,
-    stage_weights,
-    tflops,
-)
 from kiln.plan.errors import PlanError
 from kiln.plan.formats import (
-    KV_CACHE_DTYPES,
-    WEIGHT_FORMATS,
     WeightFormat,
     base_dtype_bytes,
     base_tensor_key,
-    format_unsupported_reason,
     kv_dtype_bytes,
-    kv_unsupported_reason,
+    unsupported_reason,
     weight_format,
 )
-from kiln.plan.model import ModelShape, parse_model_config
-from kiln.recipe.gpus import GPUS, GPUSpec, known_gpu_names, lookup_gpu
+from kiln.plan.model import Linear, ModelShape, parse_model_config
+from kiln.plan.result import (
+    DecodePoint,
+    KVCachePlan,
+    LimitsPlan,
+    Plan,
+    PlanInputs,
+    PrefillPlan,
+    StagePlan,
+    WeightsPlan,
+    WorkspacePlan,
+)
+from kiln.recipe import formats as registry
+from kiln.recipe.gpus import GPUSpec, known_gpu_names, lookup_gpu
 
 __all__ = [
     "PlanInputs",
@@ -70,212 +71,6 @@ LOGITS_BYTES = 4
 
 MAX_TP_WITHOUT_COUNT = 8
 """Largest tp the advice suggests when no GPU count is given (one 8-GPU node)."""
-
-# Basis strings (also written into the JSON).
-WORKSPACE_BASIS = (
-    "runtime: fixed 1 GiB (CUDA context ≈0.5 GiB + cuBLAS/TensorRT/NCCL workspaces ≈0.5 GiB); "
-    "activations: TensorRT reuses buffers layer by layer, so one layer's live tensors for max_num_tokens "
-    "tokens in the base dtype: per token 3×hidden (residual, norm output, projection output) + q/k/v "
-    "outputs + attention output + MLP intermediates (gate, up, activated: 3×intermediate/tp; 2× for a "
-    "plain MLP); logits: max_batch_size × vocab_size × 4 bytes (float32, last stage). TensorRT prints the "
-    "real activation size at build time; expect it within about 2× of this estimate."
-)
-KV_BASIS = (
-    "bytes per token = 2 (K and V) × layers × KV heads × head_dim × KV dtype bytes; per rank: the stage's "
-    "layers and KV heads / tp (replicated when tp > KV heads). Budget = kv_cache_free_gpu_mem_fraction × "
-    "(GPU memory − weights − workspace), capped by max_tokens_in_paged_kv_cache, rounded down to whole "
-    "blocks of tokens_per_block; a sequence of max_seq_len takes ceil(max_seq_len / tokens_per_block) blocks."
-)
-DECODE_BASIS = (
-    "one decode step per batch: time = max(bytes read ÷ HBM bandwidth, GEMM FLOPs ÷ dense tensor "
-    "throughput), summed over pipeline stages (no overlap credited); bytes read = all weights except the "
-    "embedding table (only looked up) + the KV cache of every sequence at max_seq_len tokens (worst case, "
-    "end of generation); FLOPs = 2 × GEMM parameters × batch. Communication and kernel overheads ignored: "
-    "an upper bound on speed."
-)
-PREFILL_BASIS = (
-    "one sequence of max_input_len tokens: GEMM FLOPs = 2 × GEMM parameters × tokens (lm_head for the "
-    "last token only) at the format's tensor throughput (excluded modules at the base dtype's), plus "
-    "causal attention FLOPs = 2 × layers × heads × head_dim × tokens² at the base dtype's throughput; "
-    "time = max(compute, weights ÷ bandwidth), per rank with tp, stages in sequence. Dense datasheet "
-    "peaks: real kernels reach perhaps 60–80% of them."
-)
-
-
-@dataclass(frozen=True)
-class PlanInputs:
-    """Everything the planner needs, as plain values (no recipe schema).
-
-    ``model_config`` is the Hugging Face ``config.json`` content. ``weight_format`` is one of
-    ``none, fp8, int8_sq, int4_awq, w4a8_awq, int8_wo, int4_wo, nvfp4``; ``kv_cache`` one of
-    ``none, fp8, int8``; ``dtype`` the base/activation dtype (``float16``, ``bfloat16``, ``float32``).
-    ``exclude_modules`` are module-name patterns kept at the base dtype (``"lm_head"`` matches a module
-    named so at any depth; wildcards as in fnmatch). ``awq_block_size`` is the group size of the AWQ
-    formats. The remaining fields are TensorRT-LLM build/runtime settings of the same names.
-    """
-
-    model_config: dict
-    weight_format: str = "none"
-    kv_cache: str = "none"
-    dtype: str = "float16"
-    exclude_modules: tuple[str, ...] = ("lm_head",)
-    awq_block_size: int = 128
-    tp: int = 1
-    pp: int = 1
-    max_batch_size: int = 2048
-    max_input_len: int = 1024
-    max_seq_len: int = 2048
-    max_num_tokens: int = 8192
-    tokens_per_block: int = 32
-    kv_cache_free_gpu_mem_fraction: float = 0.9
-    max_tokens_in_paged_kv_cache: int | None = None
-
-
-@dataclass
-class StagePlan:
-    """One pipeline stage, as seen by each of its tp ranks (all bytes per GPU)."""
-
-    stage: int
-    first_layer: int
-    layers: int
-    params: int
-    weights_bytes: int
-    embedding_bytes: int
-    attention_bytes: int
-    mlp_bytes: int
-    norm_bytes: int
-    lm_head_bytes: int
-    excluded_bytes: int
-    workspace_bytes: int
-    free_bytes: int
-    kv_bytes_per_token: int
-    kv_budget_bytes: int
-    kv_tokens: int
-
-
-@dataclass
-class WeightsPlan:
-    """Weight storage: format, bytes per weight, whole-model and per-GPU totals."""
-
-    format: str
-    quant_algo: str | None
-    base_dtype: str
-    bytes_per_weight: float
-    total_params: int
-    quantized_params: int
-    total_bytes: int
-    per_gpu_bytes: int
-    tie_word_embeddings: bool
-    exclude_modules: list[str]
-    excluded_matches: list[str]
-    basis: list[str]
-
-
-@dataclass
-class WorkspacePlan:
-    """The activation/workspace estimate for the stage that binds (see ``basis``)."""
-
-    runtime_bytes: int
-    activation_bytes: int
-    activation_bytes_per_token: int
-    logits_bytes: int
-    total_bytes: int
-    basis: str = WORKSPACE_BASIS
-
-
-@dataclass
-class KVCachePlan:
-    """KV-cache size per token and sequence, and how many fit (figures for the binding stage's ranks)."""
-
-    dtype: str
-    bytes_per_element: int
-    bytes_per_token: int
-    bytes_per_token_per_gpu: int
-    kv_heads_per_gpu: int
-    bytes_per_sequence_per_gpu: int
-    gpu_memory_bytes: int
-    free_bytes_per_gpu: int
-    budget_bytes_per_gpu: int
-    kv_cache_free_gpu_mem_fraction: float
-    max_tokens_in_paged_kv_cache: int | None
-    tokens_per_block: int
-    blocks: int
-    tokens: int
-    blocks_per_sequence: int
-    max_sequences: int
-    limited_by: str
-    basis: str = KV_BASIS
-
-
-@dataclass
-class DecodePoint:
-    """Roofline decode speed at one batch size."""
-
-    batch: int
-    memory_ms: float
-    compute_ms: float | None
-    step_ms: float
-    bound: str
-    tokens_per_s_per_sequence: float
-    tokens_per_s: float
-
-
-@dataclass
-class PrefillPlan:
-    """Roofline prefill time for one max_input_len prompt."""
-
-    tokens: int
-    gemm_flops: float
-    attention_flops: float
-    compute_s: float | None
-    memory_s: float
-    seconds: float | None
-    tokens_per_s: float | None
-    tensor_tflops: dict[str, float]
-    basis: str = PREFILL_BASIS
-
-
-@dataclass
-class LimitsPlan:
-    """Concurrency and roofline limits."""
-
-    max_batch_size: int
-    max_concurrent_sequences: int
-    batch_reachable: bool
-    decode_context_len: int
-    decode: list[DecodePoint]
-    prefill: PrefillPlan
-    decode_basis: str = DECODE_BASIS
-
-
-@dataclass
-class Plan:
-    """The planner's answer. ``fits``/``verdict``/``first_limit``/``advice`` summarise it; ``to_dict()``
-    gives JSON-ready content with every figure and its basis."""
-
-    model: dict[str, Any]
-    gpu: dict[str, Any]
-    gpu_count: int | None
-    tp: int
-    pp: int
-    world_size: int
-    replicas: int
-    settings: dict[str, Any]
-    weights: WeightsPlan
-    workspace: WorkspacePlan
-    kv_cache: KVCachePlan
-    limits: LimitsPlan
-    stages: list[StagePlan]
-    fits: bool
-    first_limit: str | None
-    verdict: str
-    advice: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        """All figures as plain JSON-ready values (bytes as ints, times in ms/s as floats)."""
-        return dataclasses.asdict(self)
-
 
 # --------------------------------------------------------------------------------------------- inputs
 
@@ -308,8 +103,11 @@ def _validate(inputs: PlanInputs, shape: ModelShape) -> list[str]:
     problems: list[str] = []
     weight_format(inputs.weight_format)
     base_dtype_bytes(inputs.dtype)
-    if inputs.kv_cache not in KV_CACHE_DTYPES:
-        problems.append(f"kv_cache {inputs.kv_cache!r} unknown; known values: {', '.join(KV_CACHE_DTYPES)}")
+    if inputs.kv_cache not in registry.kv_cache_format_names():
+        problems.append(f"kv_cache {inputs.kv_cache!r} unknown; known values: "
+                        f"{', '.join(registry.kv_cache_format_names())}")
+    if inputs.target not in registry.target_names():
+        problems.append(f"target {inputs.target!r} unknown; known targets: {', '.join(registry.target_names())}")
     for key in ("tp", "pp", "max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens",
                 "tokens_per_block", "awq_block_size"):
         value = getattr(inputs, key)
@@ -317,7 +115,7 @@ def _validate(inputs: PlanInputs, shape: ModelShape) -> list[str]:
             problems.append(f"{key} must be a positive integer, got {value!r}")
     if problems:
         return problems
-    if inputs.weight_format in ("int4_awq", "w4a8_awq") and inputs.awq_block_size not in (64, 128):
+    if weight_format(inputs.weight_format).uses_awq_block_size and inputs.awq_block_size not in (64, 128):
         problems.append(f"awq_block_size must be 64 or 128, got {inputs.awq_block_size}")
     fraction = inputs.kv_cache_free_gpu_mem_fraction
     if not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
@@ -331,6 +129,170 @@ def _validate(inputs: PlanInputs, shape: ModelShape) -> list[str]:
     if inputs.pp > shape.num_layers:
         problems.append(f"pp {inputs.pp} exceeds the model's {shape.num_layers} layers")
     return problems
+
+
+# ------------------------------------------------------------------------------------------ arithmetic
+
+
+def _excluded(name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether module ``name`` matches an exclusion pattern (at any depth, or a parent module)."""
+    return any(
+        fnmatchcase(name, p) or fnmatchcase(name, "*." + p) or fnmatchcase(name, p + ".*")
+        or fnmatchcase(name, "*." + p + ".*")
+        for p in patterns
+    )
+
+
+def _kv_heads_per_rank(shape: ModelShape, tp: int) -> int:
+    return max(1, shape.num_kv_heads // tp)
+
+
+def _rank_shape(lin: Linear, shape: ModelShape, tp: int) -> tuple[int, int]:
+    """(weight params, bias params) of ``lin`` held by one tp rank."""
+    if lin.shard == "col":
+        out = math.ceil(lin.out_features / tp)
+        return lin.in_features * out, out if lin.bias else 0
+    if lin.shard == "row":
+        return math.ceil(lin.in_features / tp) * lin.out_features, lin.out_features if lin.bias else 0
+    # kv: out_features = m × num_kv_heads × head_dim; each rank keeps its (possibly replicated) KV heads.
+    out = lin.out_features // shape.num_kv_heads * _kv_heads_per_rank(shape, tp)
+    return lin.in_features * out, out if lin.bias else 0
+
+
+@dataclass
+class _StageWeights:
+    params: int = 0
+    quantized_params: int = 0
+    embedding: float = 0.0
+    attention: float = 0.0
+    mlp: float = 0.0
+    norms: float = 0.0
+    lm_head: float = 0.0
+    lm_head_read: float = 0.0
+    excluded: float = 0.0
+    gemm_params: dict[str, int] = field(default_factory=dict)  # tensor type -> params, decoder layers
+    lm_head_gemm: tuple[str, int] = ("base", 0)
+    excluded_names: set[str] = field(default_factory=set)
+
+    @property
+    def total(self) -> float:
+        return self.embedding + self.attention + self.mlp + self.norms + self.lm_head
+
+
+def _stage_weights(
+    shape: ModelShape,
+    inputs: PlanInputs,
+    fmt: WeightFormat,
+    tp: int,
+    first_layer: int,
+    layers: int,
+    first_stage: bool,
+    last_stage: bool,
+    single_stage: bool,
+) -> _StageWeights:
+    base = base_dtype_bytes(inputs.dtype)
+    bpw = fmt.bytes_per_weight(base, inputs.awq_block_size)
+    quantize = fmt.name != "none"
+    w = _StageWeights()
+    vocab_rows = math.ceil(shape.vocab_size / tp)
+    table_params = vocab_rows * shape.hidden_size
+
+    if first_stage:
+        w.embedding = table_params * base
+        w.params += table_params
+    for layer in range(first_layer, first_layer + layers):
+        for lin in shape.layer_linears(layer):
+            weights, biases = _rank_shape(lin, shape, tp)
+            excluded = quantize and _excluded(lin.name, inputs.exclude_modules)
+            if excluded:
+                w.excluded_names.add(_pattern_name(lin.name))
+            if quantize and not excluded:
+                nbytes = weights * bpw + biases * base
+                gemm = fmt.storage.gemm
+                w.quantized_params += weights
+            else:
+                nbytes = (weights + biases) * base
+                gemm = "base"
+                if excluded:
+                    w.excluded += nbytes
+            w.gemm_params[gemm] = w.gemm_params.get(gemm, 0) + weights
+            w.params += weights + biases
+            if ".mlp." in lin.name:
+                w.mlp += nbytes
+            else:
+                w.attention += nbytes
+        w.norms += shape.norm_params_per_layer * base
+        w.params += shape.norm_params_per_layer
+    if last_stage:
+        w.norms += shape.final_norm_params * base
+        w.params += shape.final_norm_params
+        if shape.tie_word_embeddings:
+            # The head multiplies by the embedding table (base dtype): shared on a single stage, a copy on
+            # the last stage otherwise.
+            w.lm_head_read = table_params * base
+            w.lm_head_gemm = ("base", table_params)
+            if not single_stage:
+                w.lm_head = table_params * base
+                w.params += table_params
+        else:
+            excluded = quantize and _excluded("lm_head", inputs.exclude_modules)
+            if quantize and not excluded:
+                w.lm_head = table_params * bpw
+                w.lm_head_gemm = (fmt.storage.gemm, table_params)
+                w.quantized_params += table_params
+            else:
+                w.lm_head = table_params * base
+                w.lm_head_gemm = ("base", table_params)
+                if excluded:
+                    w.excluded += w.lm_head
+                    w.excluded_names.add("lm_head")
+            w.lm_head_read = w.lm_head
+            w.params += table_params
+    return w
+
+
+def _pattern_name(name: str) -> str:
+    """'model.layers.3.self_attn.q_proj' -> 'model.layers.*.self_attn.q_proj' (for a short summary)."""
+    parts = ["*" if part.isdigit() else part for part in name.split(".")]
+    return ".".join(parts)
+
+
+def _stage_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
+    """(first layer, layer count) per stage: the first ``num_layers % pp`` stages get one extra layer."""
+    base, extra = divmod(num_layers, pp)
+    out, first = [], 0
+    for stage in range(pp):
+        count = base + (1 if stage < extra else 0)
+        out.append((first, count))
+        first += count
+    return out
+
+
+def _activation_bytes_per_token(shape: ModelShape, inputs: PlanInputs) -> int:
+    tp = inputs.tp
+    base = base_dtype_bytes(inputs.dtype)
+    q = shape.num_heads // tp * shape.head_dim
+    kv = _kv_heads_per_rank(shape, tp) * shape.head_dim
+    inter = math.ceil(shape.intermediate_size / tp)
+    mlp_factor = 3 if shape.mlp_gated else 2
+    return base * (3 * shape.hidden_size + (q + 2 * kv) + q + mlp_factor * inter)
+
+
+def _tflops(gpu: GPUSpec, gemm: str, dtype: str) -> float | None:
+    key = base_tensor_key(dtype) if gemm == "base" else gemm
+    return gpu.tflops.get(key) if key else None
+
+
+def _gemm_seconds(params_by_type: dict[str, float], tokens: float, gpu: GPUSpec, dtype: str) -> float | None:
+    total = 0.0
+    for gemm, params in params_by_type.items():
+        if params == 0:
+            continue
+        tflops = _tflops(gpu, gemm, dtype)
+        if tflops is None:
+            return None
+        total += 2 * params * tokens / (tflops * 1e12)
+    return total
 
 
 # ------------------------------------------------------------------------------------------ the plan
@@ -350,20 +312,20 @@ def _evaluate(inputs: PlanInputs, gpu: GPUSpec, gpu_count: int | None) -> Plan:
     # The fraction as written (0.9 is 9/10), so budgets are exact integers, not float-rounded.
     fraction = Fraction(repr(float(inputs.kv_cache_free_gpu_mem_fraction)))
     bandwidth = gpu.bandwidth_gbs * 1e9
-    kv_heads_rank = kv_heads_per_rank(shape, tp)
+    kv_heads_rank = _kv_heads_per_rank(shape, tp)
     tpb = inputs.tokens_per_block
 
-    act_per_token = activation_bytes_per_token(shape, inputs)
+    act_per_token = _activation_bytes_per_token(shape, inputs)
     activation = inputs.max_num_tokens * act_per_token
     logits = inputs.max_batch_size * shape.vocab_size * LOGITS_BYTES
 
-    weights_by_stage: list[StageWeights] = []
+    stage_weights: list[_StageWeights] = []
     stages: list[StagePlan] = []
-    layout = stage_layers(shape.num_layers, pp)
+    layout = _stage_layers(shape.num_layers, pp)
     for index, (first, count) in enumerate(layout):
         last = index == pp - 1
-        sw = stage_weights(shape, inputs, fmt, tp, first, count, index == 0, last, pp == 1)
-        weights_by_stage.append(sw)
+        sw = _stage_weights(shape, inputs, fmt, tp, first, count, index == 0, last, pp == 1)
+        stage_weights.append(sw)
         weights_bytes = math.ceil(sw.total)
         workspace = RUNTIME_OVERHEAD_BYTES + activation + (logits if last else 0)
         free = memory - weights_bytes - workspace
@@ -391,7 +353,7 @@ def _evaluate(inputs: PlanInputs, gpu: GPUSpec, gpu_count: int | None) -> Plan:
         )
 
     # Whole-model figures (tp = pp = 1).
-    whole = stage_weights(shape, inputs, fmt, 1, 0, shape.num_layers, True, True, True)
+    whole = _stage_weights(shape, inputs, fmt, 1, 0, shape.num_layers, True, True, True)
     bind = min(stages, key=lambda s: (s.kv_tokens // tpb, s.stage))
     heaviest = max(stages, key=lambda s: (s.weights_bytes, -s.stage))
 
@@ -439,7 +401,7 @@ def _evaluate(inputs: PlanInputs, gpu: GPUSpec, gpu_count: int | None) -> Plan:
         exclude_modules=list(inputs.exclude_modules),
         excluded_matches=sorted(whole.excluded_names),
         basis=[
-            fmt.basis(inputs.dtype, inputs.awq_block_size),
+            fmt.basis(inputs.dtype, base, inputs.awq_block_size),
             f"embedding ({shape.vocab_size} × {shape.hidden_size}), norms, biases and excluded modules "
             f"at {inputs.dtype} ({base} bytes)",
             "lm_head tied to the embedding (one table, base dtype)" if shape.tie_word_embeddings
@@ -458,7 +420,7 @@ def _evaluate(inputs: PlanInputs, gpu: GPUSpec, gpu_count: int | None) -> Plan:
         total_bytes=bind.workspace_bytes,
     )
 
-    limits = _limits(inputs, gpu, stages, weights_by_stage, shape, max_sequences, bandwidth)
+    limits = _limits(inputs, gpu, stages, stage_weights, shape, max_sequences, bandwidth)
     world = tp * pp
     replicas = (gpu_count // world) if gpu_count else 1
     plan = Plan(
@@ -499,7 +461,7 @@ def _limits(
     inputs: PlanInputs,
     gpu: GPUSpec,
     stages: list[StagePlan],
-    weights_by_stage: list[StageWeights],
+    stage_weights: list[_StageWeights],
     shape: ModelShape,
     max_sequences: int,
     bandwidth: float,
@@ -511,13 +473,13 @@ def _limits(
     for batch in batches:
         memory_s, compute_s, step_s = 0.0, 0.0, 0.0
         compute_known = True
-        for stage, sw in zip(stages, weights_by_stage):
+        for stage, sw in zip(stages, stage_weights):
             read = sw.attention + sw.mlp + sw.norms + sw.lm_head_read
             mem = (read + batch * ctx * stage.kv_bytes_per_token) / bandwidth
             params = dict(sw.gemm_params)
             lm_type, lm_params = sw.lm_head_gemm
             params[lm_type] = params.get(lm_type, 0) + lm_params
-            comp = gemm_seconds(params, batch, gpu, inputs.dtype)
+            comp = _gemm_seconds(params, batch, gpu, inputs.dtype)
             memory_s += mem
             if comp is None:
                 compute_known = False
@@ -542,10 +504,10 @@ def _limits(
     attn_flops = 0.0
     compute: float | None = 0.0
     memory_s = 0.0
-    base_tflops = tflops(gpu, "base", inputs.dtype)
+    base_tflops = _tflops(gpu, "base", inputs.dtype)
     heads_rank = shape.num_heads // inputs.tp
     used: dict[str, float] = {}
-    for stage, sw in zip(stages, weights_by_stage):
+    for stage, sw in zip(stages, stage_weights):
         lm_type, lm_params = sw.lm_head_gemm
         stage_gemm = sum(2 * p * tokens for p in sw.gemm_params.values()) + 2 * lm_params
         stage_attn = 2 * stage.layers * heads_rank * shape.head_dim * tokens**2
@@ -553,11 +515,11 @@ def _limits(
         attn_flops += stage_attn
         memory_s += (sw.attention + sw.mlp + sw.norms + sw.lm_head_read) / bandwidth
         for gemm in [*sw.gemm_params, lm_type]:
-            tf = tflops(gpu, gemm, inputs.dtype)
+            tf = _tflops(gpu, gemm, inputs.dtype)
             if tf is not None:
                 used[gemm if gemm != "base" else str(base_tensor_key(inputs.dtype))] = tf
-        layer_s = gemm_seconds(dict(sw.gemm_params), tokens, gpu, inputs.dtype)
-        head_s = gemm_seconds({lm_type: lm_params}, 1, gpu, inputs.dtype)
+        layer_s = _gemm_seconds(dict(sw.gemm_params), tokens, gpu, inputs.dtype)
+        head_s = _gemm_seconds({lm_type: lm_params}, 1, gpu, inputs.dtype)
         if compute is None or layer_s is None or head_s is None or base_tflops is None:
             compute = None
         else:
@@ -612,7 +574,7 @@ def _assess(plan: Plan, inputs: PlanInputs, gpu: GPUSpec, fmt: WeightFormat) -> 
         return False, "gpu_count", (
             f"does not fit: tp {plan.tp} × pp {plan.pp} needs {plan.world_size} GPUs, {plan.gpu_count} given"
         )
-    reason = format_unsupported_reason(fmt, gpu.sm) or kv_unsupported_reason(inputs.kv_cache, gpu.sm)
+    reason = unsupported_reason(fmt.name, inputs.kv_cache, inputs.target, gpu.sm, gpu.name)
     if reason:
         return False, "format", f"does not run on {gpu.name}: {reason}"
     heaviest = max(plan.stages, key=lambda s: s.weights_bytes)
@@ -669,17 +631,13 @@ def _advise(plan: Plan, inputs: PlanInputs, gpu: GPUSpec, gpu_count: int | None)
     advice: list[str] = []
     if limit == "gpu_count":
         return [f"lower tp × pp to at most {gpu_count}, or plan with at least {plan.world_size} GPUs"]
+    target = inputs.target
     if limit == "format":
-        runs_here = [
-            f.name for f in WEIGHT_FORMATS.values() if format_unsupported_reason(f, gpu.sm) is None
-        ]
-        runs_fmt = [
-            g.name for g in GPUS.values()
-            if format_unsupported_reason(fmt, g.sm) is None and kv_unsupported_reason(inputs.kv_cache, g.sm) is None
-        ]
-        advice.append(f"formats {gpu.name} runs: {', '.join(runs_here)}")
-        if inputs.kv_cache == "fp8" and kv_unsupported_reason("fp8", gpu.sm):
-            advice.append("use kv_cache int8 or none on this GPU")
+        runs_fmt = registry.gpus_that_run(target, fmt.name, inputs.kv_cache)
+        advice.append(f"formats {gpu.name} runs: {', '.join(registry.formats_that_run(target, gpu.sm))}")
+        kv_here = registry.kv_formats_that_run(target, gpu.sm)
+        if inputs.kv_cache not in kv_here:
+            advice.append(f"use kv_cache {' or '.join(kv_here)} on this GPU")
         advice.append(f"GPUs that run {fmt.name} with kv_cache {inputs.kv_cache}: {', '.join(runs_fmt) or 'none'}")
         return advice
 
@@ -688,9 +646,8 @@ def _advise(plan: Plan, inputs: PlanInputs, gpu: GPUSpec, gpu_count: int | None)
     # Smaller weight formats this GPU runs.
     if limit in ("weights", "workspace", "kv_cache", "max_batch_size"):
         candidates = sorted(
-            (f for f in WEIGHT_FORMATS.values()
-             if format_unsupported_reason(f, gpu.sm) is None
-             and f.bytes_per_weight(base, inputs.awq_block_size) < current_bpw),
+            (weight_format(name) for name in registry.formats_that_run(target, gpu.sm)
+             if weight_format(name).bytes_per_weight(base, inputs.awq_block_size) < current_bpw),
             key=lambda f: -f.bytes_per_weight(base, inputs.awq_block_size),
         )
         for f in candidates:
@@ -730,8 +687,11 @@ def _advise(plan: Plan, inputs: PlanInputs, gpu: GPUSpec, gpu_count: int | None)
                 break
     # KV-cache side: a smaller KV dtype, a shorter max_seq_len, a smaller batch.
     if limit in ("kv_cache", "max_batch_size"):
-        if inputs.kv_cache == "none":
-            kv_alt = "fp8" if kv_unsupported_reason("fp8", gpu.sm) is None else "int8"
+        smaller = sorted((k for k in registry.kv_formats_that_run(target, gpu.sm)
+                          if kv_dtype_bytes(k, inputs.dtype) < kv_dtype_bytes(inputs.kv_cache, inputs.dtype)),
+                         key=lambda k: kv_dtype_bytes(k, inputs.dtype))
+        if smaller:
+            kv_alt = smaller[0]
             alt = _try(inputs, gpu, gpu_count, kv_cache=kv_alt)
             if alt and _solves(alt, limit):
                 advice.append(f"kv_cache {kv_alt}: {alt.kv_cache.max_sequences} full-length sequences")

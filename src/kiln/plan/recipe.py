@@ -47,7 +47,7 @@ def plan_inputs(recipe: Recipe, config: dict[str, Any], max_seq_len: Optional[in
                       max_input_len=e.max_input_len, max_seq_len=seq + e.speculative.max_draft_len,
                       max_num_tokens=e.max_num_tokens, tokens_per_block=e.tokens_per_block,
                       kv_cache_free_gpu_mem_fraction=s.kv_cache_free_gpu_mem_fraction,
-                      max_tokens_in_paged_kv_cache=s.max_tokens_in_paged_kv_cache)
+                      max_tokens_in_paged_kv_cache=s.max_tokens_in_paged_kv_cache, target=recipe.target)
 
 
 def plan_gpu(loaded: LoadedRecipe, gpu: Union[str, GPUSpec, None] = None) -> GPUSpec:

@@ -9,20 +9,12 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 from kiln.recipe.errors import Problem
-from kiln.recipe.gpus import GPUSpec, gpus_with_sm, known_gpu_names, lookup_gpu
+from kiln.recipe.formats import format_refusal, kv_cache_format, kv_cache_format_names, kv_refusal, weight_format
+from kiln.recipe.gpus import GPUSpec, known_gpu_names, lookup_gpu
 from kiln.recipe.schema import Recipe
 
 Rule = Callable[[Recipe], Iterator[Problem]]
 RULES: list[Rule] = []
-
-# Minimum SM per weight format (TensorRT-LLM 1.2 support matrix; GUIDE §2).
-FORMAT_MIN_SM = {"fp8": 89, "w4a8_awq": 89, "nvfp4": 100, "int8_sq": 80, "int4_awq": 80,
-                 "int8_wo": 80, "int4_wo": 80}
-# Formats TensorRT-LLM refuses on Blackwell (SM 100-119).
-REFUSED_ON_BLACKWELL = {"int8_sq", "int8_wo", "int4_wo", "w4a8_awq"}
-KV_MIN_SM = {"fp8": 89, "int8": 80}
-FORMAT_LABEL = {"fp8": "FP8", "w4a8_awq": "W4A8 AWQ", "nvfp4": "NVFP4", "int8_sq": "INT8 SmoothQuant",
-                "int4_awq": "INT4 AWQ", "int8_wo": "INT8 weight-only", "int4_wo": "INT4 weight-only"}
 
 
 def rule(fn: Rule) -> Rule:
@@ -43,10 +35,6 @@ def target_gpu(recipe: Recipe) -> GPUSpec | None:
     return lookup_gpu(recipe.hardware.gpu) if recipe.hardware.gpu else None
 
 
-def _names(min_sm: int, max_sm: int | None = None) -> str:
-    return ", ".join(gpus_with_sm(min_sm, max_sm))
-
-
 @rule
 def known_gpu(r: Recipe) -> Iterator[Problem]:
     if r.hardware.gpu and lookup_gpu(r.hardware.gpu) is None:
@@ -55,36 +43,20 @@ def known_gpu(r: Recipe) -> Iterator[Problem]:
 
 
 @rule
-def format_vs_gpu(r: Recipe) -> Iterator[Problem]:
+def format_vs_target(r: Recipe) -> Iterator[Problem]:
+    """The format registry's verdict (kiln.recipe.formats) for the recipe's target and GPU: the same answer
+    `kiln plan` and the engine step give."""
     gpu = target_gpu(r)
-    if gpu is None or r.target != "tensorrt":
-        return
-    fmt = r.quantization.format
-    need = FORMAT_MIN_SM.get(fmt)
-    if need and gpu.sm < need:
-        yield err("quantization.format",
-                  f"{FORMAT_LABEL[fmt]} needs SM {need}+ but {gpu.name} is SM {gpu.sm}",
-                  f"use a GPU that has it ({_names(need)}), or a format this GPU runs "
-                  f"(e.g. int4_awq or int8_sq on SM 80+)")
-    if fmt in REFUSED_ON_BLACKWELL and 100 <= gpu.sm <= 119:
-        yield err("quantization.format",
-                  f"TensorRT-LLM refuses {FORMAT_LABEL[fmt]} on SM 100-119 ({gpu.name} is SM {gpu.sm})",
-                  "use fp8, int4_awq or nvfp4 on Blackwell")
-    kv = r.quantization.kv_cache
-    kv_need = KV_MIN_SM.get(kv)
-    if kv_need and gpu.sm < kv_need:
-        yield err("quantization.kv_cache", f"{kv.upper()} KV cache needs SM {kv_need}+ but {gpu.name} is SM {gpu.sm}",
-                  f"use kv_cache: none or int8, or a GPU with SM {kv_need}+ ({_names(kv_need)})")
+    sm, name = (gpu.sm, gpu.name) if gpu else (None, None)
+    for key, refusal in (("quantization.format", format_refusal(r.quantization.format, r.target, sm, name)),
+                         ("quantization.kv_cache", kv_refusal(r.quantization.kv_cache, r.target, sm, name))):
+        if refusal is not None:
+            yield err(key, refusal.reason, refusal.hint)
 
 
 @rule
 def reference_target_limits(r: Recipe) -> Iterator[Problem]:
-    if r.target != "reference":
-        return
-    if r.quantization.format == "nvfp4":
-        yield err("quantization.format", "NVFP4 fake-quant inference needs a CUDA GPU; the reference "
-                  "target runs on CPU", "use target: tensorrt on SM 100+, or another format")
-    if r.parallelism.tp * r.parallelism.pp > 1:
+    if r.target == "reference" and r.parallelism.tp * r.parallelism.pp > 1:
         yield err("parallelism", "the reference target runs one CPU process (tp = pp = 1)",
                   "set parallelism.tp: 1 and parallelism.pp: 1, or target: tensorrt")
 
@@ -129,7 +101,9 @@ def kv_features(r: Recipe) -> Iterator[Problem]:
     if s.batching == "inflight_fused" and not b.remove_input_padding:
         yield err("engine.remove_input_padding", "in-flight batching needs packed inputs",
                   "set engine.remove_input_padding: true")
-    int8_kv = r.quantization.kv_cache == "int8"
+    kv = kv_cache_format(r.quantization.kv_cache)
+    keeps_fmha = ", ".join(n for n in kv_cache_format_names() if not kv_cache_format(n).disables_paged_context_fmha)
+    no_paged_ctx = kv.disables_paged_context_fmha
     for key, on in (("serving.enable_kv_cache_reuse", s.enable_kv_cache_reuse),
                     ("serving.enable_chunked_context", s.enable_chunked_context)):
         what = key.split(".")[1]
@@ -137,14 +111,14 @@ def kv_features(r: Recipe) -> Iterator[Problem]:
             yield err(key, f"{what} needs paged context FMHA over a paged KV cache",
                       "set engine.use_paged_context_fmha: true (and context_fmha: true, kv_cache_type: paged), "
                       f"or {key}: false")
-        elif on and int8_kv:
-            yield warn(key, f"an INT8 KV cache turns paged context FMHA off, so {what} will not take effect",
-                       f"use quantization.kv_cache: fp8 (SM 89+) or none, or {key}: false")
-    if int8_kv and b.use_paged_context_fmha and r.target == "tensorrt":
+        elif on and no_paged_ctx:
+            yield warn(key, f"an {kv.label} turns paged context FMHA off, so {what} will not take effect",
+                       f"use a quantization.kv_cache that keeps it ({keeps_fmha}), or {key}: false")
+    if no_paged_ctx and b.use_paged_context_fmha and r.target == "tensorrt":
         yield warn("engine.use_paged_context_fmha", "TensorRT-LLM silently disables paged context FMHA with an "
-                   "INT8 KV cache (no KV reuse, no chunked context)",
-                   "use quantization.kv_cache: fp8 on SM 89+, or accept it")
-    if b.use_fp8_context_fmha and r.quantization.format not in ("fp8", "w4a8_awq", "nvfp4"):
+                   f"{kv.label} (no KV reuse, no chunked context)",
+                   f"use a quantization.kv_cache that keeps it ({keeps_fmha}), or accept it")
+    if b.use_fp8_context_fmha and not weight_format(r.quantization.format).fp8_context_fmha:
         yield warn("engine.use_fp8_context_fmha", "FP8 context FMHA only takes effect with an FP8 format "
                    f"(format is {r.quantization.format})", "set engine.use_fp8_context_fmha: false")
     if r.target == "reference" and r.quantization.kv_cache != "none":
@@ -190,9 +164,10 @@ def calibration(r: Recipe) -> Iterator[Problem]:
     c = q.calibration
     if q.format == "none" and q.kv_cache == "none":
         return
-    if q.format in ("int4_awq", "w4a8_awq") and c.samples > 32:
-        yield warn("quantization.calibration.samples", f"AWQ calibrates on at most 32 samples (as upstream); "
-                   f"{c.samples} asked", "set samples: 32 to say what runs")
+    cap = weight_format(q.format).calibration.max_samples
+    if cap is not None and c.samples > cap:
+        yield warn("quantization.calibration.samples", f"{weight_format(q.format).label} calibrates on at most "
+                   f"{cap} samples (as upstream); {c.samples} asked", f"set samples: {cap} to say what runs")
     if c.batch_size > c.samples:
         yield err("quantization.calibration.batch_size", f"batch_size ({c.batch_size}) exceeds samples "
                   f"({c.samples})", "lower batch_size")

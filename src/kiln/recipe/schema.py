@@ -12,13 +12,26 @@ from typing import Annotated, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kiln.recipe.formats import registry
+
 BUILTIN_PREFIX = "builtin:"
 HF_PREFIX = "hf:"
 BUILTIN_MODELS = ("tiny-llama",)
 BUILTIN_DATASETS = ("tiny-llama-calib", "tiny-llama-heldout")
 
-WeightFormat = Literal["none", "fp8", "int8_sq", "int4_awq", "w4a8_awq", "int8_wo", "int4_wo", "nvfp4"]
-KVCacheFormat = Literal["none", "fp8", "int8"]
+# Format and target names come from the format registry (kiln/recipe/data/formats.yaml): a format added there
+# is a valid recipe value without a change here.
+_REGISTRY = registry()
+WeightFormat = Literal[tuple(_REGISTRY.weight_formats)]  # type: ignore[valid-type]
+KVCacheFormat = Literal[tuple(_REGISTRY.kv_cache_formats)]  # type: ignore[valid-type]
+Target = Literal[tuple(_REGISTRY.targets)]  # type: ignore[valid-type]
+_REGISTRY_DOC = "Which GPUs and targets run each: kiln/recipe/data/formats.yaml (`kiln validate` checks it)."
+
+
+def _choices(table: dict, lead: str) -> str:
+    return lead + ", ".join(f"`{name}` ({entry.label})" for name, entry in table.items()) + ". " + _REGISTRY_DOC
+
+
 Dtype = Literal["auto", "float16", "bfloat16", "float32"]
 
 INT64_MAX = 2**63 - 1  # Triton parses its integer parameters as int64
@@ -119,20 +132,16 @@ class CalibrationSection(DataSource):
 
 
 class QuantizationSection(Section):
-    format: WeightFormat = "none"
-    """Weight/activation format: `none` (unquantized), `fp8`, `int8_sq` (INT8 SmoothQuant), `int4_awq`,
-    `w4a8_awq` (INT4 AWQ weights, FP8 activations), `int8_wo` / `int4_wo` (weight-only), `nvfp4`."""
+    format: WeightFormat = Field("none", description=_choices(_REGISTRY.weight_formats, "Weight/activation format: "))
 
-    kv_cache: KVCacheFormat = "none"
-    """KV-cache quantization: `none` (model dtype), `fp8` or `int8`."""
+    kv_cache: KVCacheFormat = Field("none", description=_choices(_REGISTRY.kv_cache_formats, "KV-cache quantization: "))
 
     smoothquant_alpha: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
     """SmoothQuant migration strength (int8_sq only): 0 keeps activations as they are, 1 moves all the
     outlier scale into the weights."""
 
     awq_block_size: Literal[64, 128] = 128
-    """Group size of INT4 weight scales (int4_awq, w4a8_awq). int4_wo uses per-channel scales, as
-    TensorRT-LLM's W4A16 does."""
+    """Group size of the AWQ formats' INT4 weight scales (int4_awq, w4a8_awq); other formats ignore it."""
 
     exclude_modules: tuple[str, ...] = ("lm_head",)
     """Module name patterns (fnmatch, e.g. `lm_head`, `*.mlp.down_proj`) kept at full precision."""
@@ -328,10 +337,8 @@ class Recipe(Section):
     extends: Optional[str] = None
     """Base recipe (path, relative to this file) whose keys this recipe overrides key by key."""
 
-    target: Literal["tensorrt", "reference"] = "tensorrt"
-    """`tensorrt`: a TensorRT-LLM 1.2 engine served by Triton's tensorrtllm backend (GPU). `reference`: the
-    quantized model run by PyTorch on CPU in a Triton Python model with the same tensor contract — a test and
-    development vehicle, not a fast path."""
+    target: Target = Field("tensorrt", description="What runs the model: " + "; ".join(
+        f"`{name}`: {t.label}" for name, t in _REGISTRY.targets.items()) + ".")
 
     model: ModelSection = ModelSection()
     """The model."""

@@ -22,7 +22,7 @@ from typing import Any, Literal, Optional
 
 from kiln.recipe.gpus import detect_gpus, lookup_gpu
 from kiln.recipe.loader import LoadedRecipe
-from kiln.recipe.rules import FORMAT_LABEL, FORMAT_MIN_SM, REFUSED_ON_BLACKWELL
+from kiln.recipe.formats import format_refusal, kv_refusal
 from kiln.recipe.schema import Recipe
 from kiln.steps.base import StepContext, StepResult, StepSpec
 from kiln.steps.resolve import ResolveResult
@@ -90,14 +90,12 @@ def why_not_buildable(recipe: Recipe) -> Optional[str]:
     if detected is None and not _cuda_available():
         return f"no CUDA device found on this machine. To proceed: {HOW_TO_PROCEED}."
     gpu = lookup_gpu(detected[0]) if detected else None
-    fmt = recipe.quantization.format
+    q = recipe.quantization
     if gpu is not None:
-        need = FORMAT_MIN_SM.get(fmt)
-        if need and gpu.sm < need:
-            return (f"this machine's {gpu.name} is SM {gpu.sm}; {FORMAT_LABEL[fmt]} needs SM {need}+. Build on a GPU "
-                    f"that runs it, or choose another quantization.format")
-        if fmt in REFUSED_ON_BLACKWELL and 100 <= gpu.sm <= 119:
-            return f"TensorRT-LLM refuses {FORMAT_LABEL[fmt]} on SM 100-119 ({gpu.name}); choose fp8, int4_awq or nvfp4"
+        refusal = (format_refusal(q.format, recipe.target, gpu.sm, gpu.name)
+                   or kv_refusal(q.kv_cache, recipe.target, gpu.sm, gpu.name))
+        if refusal is not None:
+            return f"on this machine's GPU: {refusal.reason}. To proceed: {refusal.hint}"
         if recipe.hardware.gpu and lookup_gpu(recipe.hardware.gpu) is not gpu:
             return (f"the recipe targets {recipe.hardware.gpu} but this machine has {gpu.name}: an engine is built "
                     f"for one GPU architecture. Build on a {recipe.hardware.gpu}, or set hardware.gpu: {gpu.name}")

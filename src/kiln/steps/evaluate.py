@@ -23,6 +23,8 @@ from typing import Any, Optional
 
 from kiln.models.data import batches, content_hash, load_texts, tokenize_samples
 from kiln.models.loading import load_model, load_tokenizer, read_config, resolve_dtype
+from kiln.recipe.formats import gentler_alternatives
+from kiln.recipe.gpus import lookup_gpu
 from kiln.recipe.loader import LoadedRecipe
 from kiln.recipe.schema import Recipe
 from kiln.steps.base import StepContext, StepResult, StepSpec
@@ -32,11 +34,6 @@ from kiln.util.errors import KilnError
 QUALITY_FILE = "quality.json"
 #: Upper bound on logits elements held per batch (batch × tokens × vocabulary), to bound memory.
 _LOGITS_BUDGET = 1 << 26
-#: Gentler formats to suggest when the gate fails, by format.
-_GENTLER = {
-    "int4_wo": "int4_awq", "int4_awq": "int8_sq or fp8", "w4a8_awq": "int4_awq or fp8",
-    "nvfp4": "fp8", "int8_wo": "fp8", "int8_sq": "fp8", "fp8": "none",
-}  # fmt: skip
 
 
 class EvaluateResult(StepResult):
@@ -71,8 +68,7 @@ def check_gate(recipe: Recipe, result: EvaluateResult) -> Optional[str]:
         return None
     ev = recipe.evaluation
     fmt = result.format or recipe.quantization.format
-    gentler = _GENTLER.get(fmt)
-    advice = f"pick a gentler format (e.g. {gentler})" if gentler else "pick a gentler format"
+    advice = f"pick a gentler format{_gentler(recipe, fmt)}"
     failures = []
     pct = result.ppl_increase_pct
     if ev.max_ppl_increase_pct is not None and pct is not None and pct > ev.max_ppl_increase_pct:
@@ -84,6 +80,16 @@ def check_gate(recipe: Recipe, result: EvaluateResult) -> Optional[str]:
         failures.append(f"mean KL divergence is {kl:.4g} nats per token, gate is {ev.max_kl:g}: "
                         f"raise evaluation.max_kl or {advice}")
     return "; ".join(failures) or None
+
+
+def _gentler(recipe: Recipe, fmt: str) -> str:
+    """" (e.g. X or Y)": the registry's gentler formats that run on the recipe's target and GPU ("" if none)."""
+    gpu = lookup_gpu(recipe.hardware.gpu) if recipe.hardware.gpu else None
+    try:
+        names = gentler_alternatives(fmt, recipe.target, gpu.sm if gpu else None)
+    except LookupError:  # a format from an older registry in stored figures
+        names = []
+    return f" (e.g. {' or '.join(names[:2])})" if names else ""
 
 
 def _pct(value: float) -> str:

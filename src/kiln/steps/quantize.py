@@ -15,11 +15,13 @@ Upstream's path (TensorRT-LLM ``examples/quantization/quantize.py``), with kiln'
    ``rank{N}.safetensors`` per tp×pp rank + ``tokenizer/``), and its ``quant_algo`` /
    ``kv_cache_quant_algo`` checked against what TensorRT-LLM 1.2 expects for the format.
 
-Weight-only formats (``int8_wo``, ``int4_wo``) follow upstream's TensorRT-LLM path: the TensorRT-LLM
-checkpoint holds the unquantized weights with ``quant_algo`` W8A16 / W4A16 and ``trtllm-build``
-quantizes them per output channel; the fake-quant model kiln evaluates and serves on the reference
-target uses the same per-channel symmetric scheme (INT8_WEIGHT_ONLY_CFG; INT4_BLOCKWISE_WEIGHT_ONLY_CFG
-with per-channel instead of block scales), so the quality gate measures what the engine runs.
+Every per-format fact (ModelOpt preset, expected ``quant_algo``, scale layout, calibration cap) comes from the
+format registry (:mod:`kiln.recipe.formats`). Formats marked ``trtllm_quantizes_weights`` (the weight-only ones)
+follow upstream's TensorRT-LLM path: the TensorRT-LLM checkpoint holds the unquantized weights with the
+format's ``quant_algo`` and ``trtllm-build`` quantizes them per output channel; the fake-quant model kiln
+evaluates and serves on the reference target uses the same per-channel symmetric scheme (the registry's
+preset, with per-channel scales where it says ``modelopt_weight_scales: per_channel``), so the quality gate
+measures what the engine runs.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from kiln.models.loading import (
     resolve_dtype,
     resolve_model_dir,
 )
+from kiln.recipe.formats import kv_cache_format, registry, weight_format
 from kiln.recipe.loader import LoadedRecipe
 from kiln.recipe.schema import Recipe
 from kiln.steps.base import StepContext, StepResult, StepSpec
@@ -58,37 +61,6 @@ MODELOPT_STATE = "modelopt_state.pth"
 RESTORE_CHECK = "restore_check.safetensors"
 QUANT_RECORD = "kiln_quantization.json"
 
-#: Recipe weight format → ModelOpt config name (``modelopt.torch.quantization``).
-MODELOPT_CONFIGS: dict[str, str] = {
-    "fp8": "FP8_DEFAULT_CFG",
-    "int8_sq": "INT8_SMOOTHQUANT_CFG",
-    "int4_awq": "INT4_AWQ_CFG",
-    "w4a8_awq": "W4A8_AWQ_BETA_CFG",
-    "int8_wo": "INT8_WEIGHT_ONLY_CFG",
-    "int4_wo": "INT4_BLOCKWISE_WEIGHT_ONLY_CFG",
-    "nvfp4": "NVFP4_DEFAULT_CFG",
-}
-#: Recipe weight format → TensorRT-LLM 1.2 checkpoint ``quantization.quant_algo`` (GUIDE §2).
-EXPECTED_QUANT_ALGO: dict[str, Optional[str]] = {
-    "none": None,
-    "fp8": "FP8",
-    "int8_sq": "W8A8_SQ_PER_CHANNEL",
-    "int4_awq": "W4A16_AWQ",
-    "w4a8_awq": "W4A8_AWQ",
-    "int8_wo": "W8A16",
-    "int4_wo": "W4A16",
-    "nvfp4": "NVFP4",
-}
-#: Recipe KV-cache format → ``quantization.kv_cache_quant_algo``.
-EXPECTED_KV_ALGO: dict[str, Optional[str]] = {"none": None, "fp8": "FP8", "int8": "INT8"}
-#: Formats with a per-block weight scale whose block size comes from ``quantization.awq_block_size``.
-BLOCK_FORMATS = frozenset({"int4_awq", "w4a8_awq"})
-#: Formats that TensorRT-LLM quantizes itself from unquantized weights (upstream's weight-only path).
-WEIGHT_ONLY_FORMATS = frozenset({"int8_wo", "int4_wo"})
-#: Formats whose fake-quant forward (hence calibration) needs a CUDA device in ModelOpt.
-CUDA_ONLY_FORMATS = frozenset({"nvfp4"})
-#: AWQ calibration uses at most this many samples, as upstream does.
-AWQ_MAX_SAMPLES = 32
 #: Tokens of the probe whose logits ``restore_check.safetensors`` records.
 PROBE_TOKENS = 32
 
@@ -140,21 +112,32 @@ def _disable_entries(cfg: dict, patterns: list[str]) -> None:
         entries.extend({"quantizer_name": p, "enable": False} for p in patterns)
 
 
+def _modelopt_preset(mtq: Any, name: str, key: str, value: str) -> dict:
+    preset = getattr(mtq, name, None)
+    if preset is None:
+        raise KilnError(f"the installed nvidia-modelopt has no {name} (needed for {key}: {value}); install "
+                        "nvidia-modelopt 0.37 to 0.47")
+    return preset
+
+
 def kv_cache_config(kv: str, mtq: Any) -> Any:
-    """The KV-cache quantizer entries for ``fp8`` (ModelOpt's FP8_KV_CFG) or ``int8`` (the same entries
-    with 8-bit integers, as upstream's INT8 KV cache), in the installed ModelOpt's shape."""
-    entries = copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"])
-    if kv == "fp8":
+    """The KV-cache quantizer entries of the registry's ModelOpt preset for KV-cache format ``kv``, in the
+    installed ModelOpt's shape; with the registry's ``modelopt_num_bits`` (an INT8 KV cache: the FP8 preset's
+    quantizers with 8-bit integers, as upstream's own INT8 KV config)."""
+    fmt = kv_cache_format(kv)
+    entries = copy.deepcopy(_modelopt_preset(mtq, str(fmt.modelopt_config), "quantization.kv_cache", kv)["quant_cfg"])
+    bits = fmt.modelopt_num_bits
+    if bits is None:
         return entries
 
-    def to_int8(attrs: Any) -> Any:
+    def with_bits(attrs: Any) -> Any:
         if isinstance(attrs, dict) and "num_bits" in attrs:
-            return {**attrs, "num_bits": 8}
+            return {**attrs, "num_bits": bits}
         return attrs
 
     if isinstance(entries, dict):
-        return {k: to_int8(v) for k, v in entries.items() if k != "default"}
-    return [{**e, "cfg": to_int8(e["cfg"])} if "cfg" in e else e for e in entries]
+        return {k: with_bits(v) for k, v in entries.items() if k != "default"}
+    return [{**e, "cfg": with_bits(e["cfg"])} if "cfg" in e else e for e in entries]
 
 
 def _merge_kv(cfg: dict, kv_entries: Any) -> dict:
@@ -190,26 +173,23 @@ def build_quant_config(recipe: Recipe) -> Optional[dict]:
     import modelopt.torch.quantization as mtq
 
     q = recipe.quantization
-    if q.format == "none" and q.kv_cache == "none":
+    if not needs_calibration(recipe):
         return None
-    if q.format == "none":
+    fmt = weight_format(q.format)
+    if fmt.modelopt_config is None:
         cfg: dict = {"quant_cfg": None, "algorithm": None}
     else:
-        name = MODELOPT_CONFIGS[q.format]
-        preset = getattr(mtq, name, None)
-        if preset is None:
-            raise KilnError(f"the installed nvidia-modelopt has no {name} (needed for quantization.format: "
-                            f"{q.format}); install nvidia-modelopt 0.37 to 0.47")
-        cfg = copy.deepcopy(preset)
-        if q.format == "int8_sq":
+        cfg = copy.deepcopy(_modelopt_preset(mtq, fmt.modelopt_config, "quantization.format", q.format))
+        if fmt.calibration.algorithm == "smoothquant":
             cfg["algorithm"] = {"method": "smoothquant", "alpha": q.smoothquant_alpha}
-        elif q.format in BLOCK_FORMATS:
+        if fmt.uses_awq_block_size:
             _set_block_size(cfg, q.awq_block_size)
-        elif q.format == "int4_wo":
-            # TensorRT-LLM's W4A16 is per output channel: use the same scales in the fake-quant model.
+        if fmt.modelopt_weight_scales == "per_channel":
+            # TensorRT-LLM quantizes these weights per output channel: use the same scales in the fake-quant
+            # model (the preset's bit width, block scales replaced by per-channel ones).
             attrs = {k: v for k, v in _weight_quantizer_cfgs(cfg)[0].items() if k != "block_sizes"}
-            _set_weight_quantizer(cfg, {**attrs, "num_bits": 4, "axis": 0})
-    if q.kv_cache != "none":
+            _set_weight_quantizer(cfg, {**attrs, "axis": 0})
+    if kv_cache_format(q.kv_cache).modelopt_config is not None:
         cfg = _merge_kv(cfg, kv_cache_config(q.kv_cache, mtq))
     if q.exclude_modules:
         _disable_entries(cfg, exclude_patterns(q.exclude_modules))
@@ -220,24 +200,28 @@ def build_quant_config(recipe: Recipe) -> Optional[dict]:
 
 
 def calib_sample_count(recipe: Recipe) -> int:
-    """Calibration samples used: the recipe's, capped at 32 for AWQ formats (as upstream)."""
+    """Calibration samples used: the recipe's, capped where the registry says (AWQ: as upstream)."""
     samples = recipe.quantization.calibration.samples
-    return min(samples, AWQ_MAX_SAMPLES) if "awq" in recipe.quantization.format else samples
+    cap = weight_format(recipe.quantization.format).calibration.max_samples
+    return samples if cap is None else min(samples, cap)
 
 
 def needs_calibration(recipe: Recipe) -> bool:
-    return recipe.quantization.format != "none" or recipe.quantization.kv_cache != "none"
+    q = recipe.quantization
+    return (weight_format(q.format).modelopt_config is not None
+            or kv_cache_format(q.kv_cache).modelopt_config is not None)
 
 
 def _check_device(recipe: Recipe) -> None:
     import torch
 
-    fmt = recipe.quantization.format
-    if fmt in CUDA_ONLY_FORMATS and not torch.cuda.is_available():
-        raise InputError(f"quantization.format: {fmt} calibration needs a CUDA GPU (ModelOpt's {fmt} fake "
-                         "quantization runs only on CUDA) and this machine has none; quantize on a GPU machine, "
-                         "or pick a format that calibrates on the CPU (fp8, int8_sq, int4_awq, w4a8_awq, int8_wo, "
-                         "int4_wo)")
+    fmt = weight_format(recipe.quantization.format)
+    if fmt.fake_quant_needs_cuda is not None and not torch.cuda.is_available():
+        on_cpu = [f.name for f in registry().weight_formats.values()
+                  if f.modelopt_config is not None and f.fake_quant_needs_cuda is None]
+        raise InputError(f"quantization.format: {fmt.name} calibration needs a CUDA GPU "
+                         f"({fmt.fake_quant_needs_cuda.why}) and this machine has none; quantize on a GPU "
+                         f"machine, or pick a format that calibrates on the CPU ({', '.join(on_cpu)})")
 
 
 def _module_names(info: ModelInfo) -> list[str]:
@@ -260,12 +244,14 @@ def _check_excludes(recipe: Recipe, info: ModelInfo, ctx: StepContext) -> None:
         if not matched and pattern != "lm_head":
             ctx.log(f"  warning: quantization.exclude_modules: {pattern!r} matches no module of the model "
                     f"(e.g. {modules[len(modules) // 2] if modules else '-'}); it has no effect")
-        if (recipe.target == "tensorrt" and q.format in WEIGHT_ONLY_FORMATS
-                and any(m != "lm_head" for m in matched)):
+        fmt = weight_format(q.format)
+        if recipe.target == "tensorrt" and fmt.trtllm_quantizes_weights and any(m != "lm_head" for m in matched):
+            exported = [f.name for f in registry().weight_formats.values()
+                        if f.modelopt_config is not None and not f.trtllm_quantizes_weights]
             raise InputError(f"quantization.exclude_modules: {pattern!r} cannot be honoured with {q.format} on "
-                             "target tensorrt: TensorRT-LLM quantizes weight-only formats itself at build time, "
-                             "every attention and MLP layer; remove the pattern, or use int4_awq / int8_sq / fp8, "
-                             "which ModelOpt exports with per-layer exclusions")
+                             f"target tensorrt: TensorRT-LLM quantizes {fmt.label} itself at build time, every "
+                             f"attention and MLP layer; remove the pattern, or use {' / '.join(exported)}, which "
+                             "ModelOpt exports with per-layer exclusions")
 
 
 def _check_parallelism(recipe: Recipe, info: ModelInfo) -> None:
@@ -410,8 +396,8 @@ def quantize(ctx: StepContext) -> QuantizeResult:
               str(out / RESTORE_CHECK))
     mto.save(model, str(ckpt / MODELOPT_STATE))
 
-    quant_algo = EXPECTED_QUANT_ALGO[q.format]
-    kv_algo = EXPECTED_KV_ALGO[q.kv_cache]
+    quant_algo = weight_format(q.format).quant_algo
+    kv_algo = kv_cache_format(q.kv_cache).kv_cache_quant_algo
     if recipe.target == "tensorrt":
         quant_algo, kv_algo = export_trtllm(model, recipe, info, dtype, tokenizer, out / TRTLLM_DIR)
     export_s = time.perf_counter() - t0
@@ -419,8 +405,9 @@ def quantize(ctx: StepContext) -> QuantizeResult:
     record = {
         "format": q.format, "kv_cache": q.kv_cache, "quant_algo": quant_algo, "kv_cache_quant_algo": kv_algo,
         "dtype": dtype, "architecture": info.architecture, "exclude_modules": list(q.exclude_modules),
-        "smoothquant_alpha": q.smoothquant_alpha if q.format == "int8_sq" else None,
-        "block_size": q.awq_block_size if q.format in BLOCK_FORMATS else None,
+        "smoothquant_alpha": q.smoothquant_alpha if weight_format(q.format).calibration.algorithm == "smoothquant"
+        else None,
+        "block_size": q.awq_block_size if weight_format(q.format).uses_awq_block_size else None,
         "calib_samples": len(samples), "calib_data": data_hash, "modelopt_state": MODELOPT_STATE,
     }
     (ckpt / QUANT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
@@ -448,8 +435,9 @@ def export_trtllm(model: Any, recipe: Recipe, info: ModelInfo, dtype: str, token
     from kiln.models.loading import torch_dtype
 
     q = recipe.quantization
+    fmt = weight_format(q.format)
     tp, pp = recipe.parallelism.tp, recipe.parallelism.pp
-    if q.format in WEIGHT_ONLY_FORMATS:
+    if fmt.trtllm_quantizes_weights:
         # Upstream's weight-only path: unquantized weights, TensorRT-LLM quantizes them at build time.
         mtq.disable_quantizer(model, "*weight_quantizer")
         mtq.disable_quantizer(model, "*input_quantizer")
@@ -464,8 +452,8 @@ def export_trtllm(model: Any, recipe: Recipe, info: ModelInfo, dtype: str, token
     config_path = export_dir / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     quant = config.setdefault("quantization", {})
-    if q.format in WEIGHT_ONLY_FORMATS:
-        quant["quant_algo"] = EXPECTED_QUANT_ALGO[q.format]
+    if fmt.trtllm_quantizes_weights:
+        quant["quant_algo"] = fmt.quant_algo
     fix_rope(config, info.config)
     config_path.write_text(json.dumps(config, indent=4) + "\n", encoding="utf-8")
     tokenizer.save_pretrained(str(export_dir / "tokenizer"))
@@ -507,19 +495,16 @@ def check_trtllm_checkpoint(export_dir: Path, fmt: str, kv: str,
     config = json.loads((export_dir / "config.json").read_text(encoding="utf-8"))
     quant = config.get("quantization") or {}
     got_algo, got_kv = quant.get("quant_algo"), quant.get("kv_cache_quant_algo")
-    want_algo, want_kv = EXPECTED_QUANT_ALGO[fmt], EXPECTED_KV_ALGO[kv]
-    try:
-        from kiln.steps.trtllm_flags import KV_CACHE_QUANT_ALGOS, QUANT_ALGOS
-    except ImportError:  # pragma: no cover - the flag tables are optional here
-        QUANT_ALGOS = KV_CACHE_QUANT_ALGOS = None  # noqa: N806
+    want_algo, want_kv = weight_format(fmt).quant_algo, kv_cache_format(kv).kv_cache_quant_algo
+    valid = registry().trtllm_quant_algos
     problems = []
     if got_algo != want_algo:
         problems.append(f"quant_algo is {got_algo!r}, TensorRT-LLM 1.2 expects {want_algo!r} for {fmt}")
-    elif QUANT_ALGOS is not None and got_algo is not None and got_algo not in QUANT_ALGOS:
+    elif got_algo is not None and got_algo not in valid.quant_algos:
         problems.append(f"quant_algo {got_algo!r} is not one TensorRT-LLM 1.2 accepts")
     if got_kv != want_kv:
         problems.append(f"kv_cache_quant_algo is {got_kv!r}, TensorRT-LLM 1.2 expects {want_kv!r} for KV cache {kv}")
-    elif KV_CACHE_QUANT_ALGOS is not None and got_kv is not None and got_kv not in KV_CACHE_QUANT_ALGOS:
+    elif got_kv is not None and got_kv not in valid.kv_cache_quant_algos:
         problems.append(f"kv_cache_quant_algo {got_kv!r} is not one TensorRT-LLM 1.2 accepts")
     mapping = config.get("mapping") or {}
     if mapping.get("world_size") != world_size:
@@ -549,18 +534,19 @@ def describe(loaded: LoadedRecipe) -> list[str]:
     """Lines for --dry-run."""
     r = loaded.recipe
     q = r.quantization
-    name = MODELOPT_CONFIGS.get(q.format, "no weight quantization")
-    if q.format == "int4_wo":
-        name += " with per-channel scales (TensorRT-LLM W4A16)"
-    elif q.format in BLOCK_FORMATS:
+    fmt, kv = weight_format(q.format), kv_cache_format(q.kv_cache)
+    name = fmt.modelopt_config or "no weight quantization"
+    if fmt.modelopt_weight_scales == "per_channel":
+        name += f" with per-channel scales (TensorRT-LLM {fmt.quant_algo})"
+    elif fmt.uses_awq_block_size:
         name += f", block {q.awq_block_size}"
     lines = [f"ModelOpt {name}"
-             + (f" + {q.kv_cache.upper()} KV cache" if q.kv_cache != "none" else "")
+             + (f" + {kv.label}" if kv.modelopt_config is not None else "")
              + (f", {calib_sample_count(r)} calibration samples from {q.calibration.dataset}"
                 if needs_calibration(r) else "")]
     if r.target == "tensorrt":
         lines.append(f"export_tensorrt_llm_checkpoint(tp={r.parallelism.tp}, pp={r.parallelism.pp}) → "
-                     f"quant_algo {EXPECTED_QUANT_ALGO[q.format]}, kv_cache_quant_algo {EXPECTED_KV_ALGO[q.kv_cache]}")
+                     f"quant_algo {fmt.quant_algo}, kv_cache_quant_algo {kv.kv_cache_quant_algo}")
     return lines
 
 

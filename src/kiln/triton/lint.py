@@ -19,6 +19,7 @@ from typing import Any, Iterable, Literal, Optional
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from kiln.recipe.formats import kv_format_for_quant_algo
 from kiln.triton.models.kiln_triton_utils import parse_bool, parse_int
 from kiln.triton.upstream import NGC_CONTAINERS
 
@@ -215,16 +216,17 @@ def check_engine_agreement(m: Model, repo: Path) -> Iterable[Finding]:
     paged = str(bc.get("kv_cache_type", "paged")).lower().endswith("paged") and pc.get("paged_kv_cache", True) is not False
     paged_ctx = bool(pc.get("use_paged_context_fmha", False)) and pc.get("context_fmha", True) is not False
     quant = (cfg.get("pretrained_config", {}) or {}).get("quantization", {}) or {}
-    int8_kv = str(quant.get("kv_cache_quant_algo") or "").upper() == "INT8"
+    kv_fmt = kv_format_for_quant_algo(quant.get("kv_cache_quant_algo"))
+    no_paged_ctx = kv_fmt is not None and kv_fmt.disables_paged_context_fmha
     reuse = parse_bool(m.param("enable_kv_cache_reuse"))
     if reuse is None and m.param("enable_kv_cache_reuse") is None:
         reuse = True  # the backend's default when unset
     for key, on in (("enable_kv_cache_reuse", reuse), ("enable_chunked_context", parse_bool(m.param("enable_chunked_context")))):
         if not on:
             continue
-        if not paged or not paged_ctx or int8_kv:
+        if not paged or not paged_ctx or no_paged_ctx:
             why = ("the engine has no paged KV cache" if not paged else
-                   "the engine's INT8 KV cache disables paged context FMHA" if int8_kv else
+                   f"the engine's {kv_fmt.label} disables paged context FMHA" if kv_fmt and no_paged_ctx else
                    "the engine was built without paged context FMHA")
             yield Finding("error", m.name, file, m.param_line(key) or m.line_of("parameters"),
                           f"{key} is on but {why}",

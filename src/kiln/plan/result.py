@@ -1,0 +1,218 @@
+"""The planner's inputs and its answer: plain dataclasses, each figure with the basis it was made on.
+
+Split from :mod:`kiln.plan.planner` (which re-exports them) so that the arithmetic and the types it fills
+stay readable on their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# Basis strings (also written into the JSON).
+WORKSPACE_BASIS = (
+    "runtime: fixed 1 GiB (CUDA context ≈0.5 GiB + cuBLAS/TensorRT/NCCL workspaces ≈0.5 GiB); "
+    "activations: TensorRT reuses buffers layer by layer, so one layer's live tensors for max_num_tokens "
+    "tokens in the base dtype: per token 3×hidden (residual, norm output, projection output) + q/k/v "
+    "outputs + attention output + MLP intermediates (gate, up, activated: 3×intermediate/tp; 2× for a "
+    "plain MLP); logits: max_batch_size × vocab_size × 4 bytes (float32, last stage). TensorRT prints the "
+    "real activation size at build time; expect it within about 2× of this estimate."
+)
+KV_BASIS = (
+    "bytes per token = 2 (K and V) × layers × KV heads × head_dim × KV dtype bytes; per rank: the stage's "
+    "layers and KV heads / tp (replicated when tp > KV heads). Budget = kv_cache_free_gpu_mem_fraction × "
+    "(GPU memory − weights − workspace), capped by max_tokens_in_paged_kv_cache, rounded down to whole "
+    "blocks of tokens_per_block; a sequence of max_seq_len takes ceil(max_seq_len / tokens_per_block) blocks."
+)
+DECODE_BASIS = (
+    "one decode step per batch: time = max(bytes read ÷ HBM bandwidth, GEMM FLOPs ÷ dense tensor "
+    "throughput), summed over pipeline stages (no overlap credited); bytes read = all weights except the "
+    "embedding table (only looked up) + the KV cache of every sequence at max_seq_len tokens (worst case, "
+    "end of generation); FLOPs = 2 × GEMM parameters × batch. Communication and kernel overheads ignored: "
+    "an upper bound on speed."
+)
+PREFILL_BASIS = (
+    "one sequence of max_input_len tokens: GEMM FLOPs = 2 × GEMM parameters × tokens (lm_head for the "
+    "last token only) at the format's tensor throughput (excluded modules at the base dtype's), plus "
+    "causal attention FLOPs = 2 × layers × heads × head_dim × tokens² at the base dtype's throughput; "
+    "time = max(compute, weights ÷ bandwidth), per rank with tp, stages in sequence. Dense datasheet "
+    "peaks: real kernels reach perhaps 60–80% of them."
+)
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything the planner needs, as plain values (no recipe schema).
+
+    ``model_config`` is the Hugging Face ``config.json`` content. ``weight_format`` and ``kv_cache`` are
+    names in the format registry (kiln/recipe/data/formats.yaml) and ``target`` one of its targets, whose
+    support for the formats the plan checks; ``dtype`` is the base/activation dtype (``float16``,
+    ``bfloat16``, ``float32``).
+    ``exclude_modules`` are module-name patterns kept at the base dtype (``"lm_head"`` matches a module
+    named so at any depth; wildcards as in fnmatch). ``awq_block_size`` is the group size of the AWQ
+    formats. The remaining fields are TensorRT-LLM build/runtime settings of the same names.
+    """
+
+    model_config: dict
+    weight_format: str = "none"
+    kv_cache: str = "none"
+    dtype: str = "float16"
+    exclude_modules: tuple[str, ...] = ("lm_head",)
+    awq_block_size: int = 128
+    tp: int = 1
+    pp: int = 1
+    max_batch_size: int = 2048
+    max_input_len: int = 1024
+    max_seq_len: int = 2048
+    max_num_tokens: int = 8192
+    tokens_per_block: int = 32
+    kv_cache_free_gpu_mem_fraction: float = 0.9
+    max_tokens_in_paged_kv_cache: int | None = None
+    target: str = "tensorrt"
+
+
+@dataclass
+class StagePlan:
+    """One pipeline stage, as seen by each of its tp ranks (all bytes per GPU)."""
+
+    stage: int
+    first_layer: int
+    layers: int
+    params: int
+    weights_bytes: int
+    embedding_bytes: int
+    attention_bytes: int
+    mlp_bytes: int
+    norm_bytes: int
+    lm_head_bytes: int
+    excluded_bytes: int
+    workspace_bytes: int
+    free_bytes: int
+    kv_bytes_per_token: int
+    kv_budget_bytes: int
+    kv_tokens: int
+
+
+@dataclass
+class WeightsPlan:
+    """Weight storage: format, bytes per weight, whole-model and per-GPU totals."""
+
+    format: str
+    quant_algo: str | None
+    base_dtype: str
+    bytes_per_weight: float
+    total_params: int
+    quantized_params: int
+    total_bytes: int
+    per_gpu_bytes: int
+    tie_word_embeddings: bool
+    exclude_modules: list[str]
+    excluded_matches: list[str]
+    basis: list[str]
+
+
+@dataclass
+class WorkspacePlan:
+    """The activation/workspace estimate for the stage that binds (see ``basis``)."""
+
+    runtime_bytes: int
+    activation_bytes: int
+    activation_bytes_per_token: int
+    logits_bytes: int
+    total_bytes: int
+    basis: str = WORKSPACE_BASIS
+
+
+@dataclass
+class KVCachePlan:
+    """KV-cache size per token and sequence, and how many fit (figures for the binding stage's ranks)."""
+
+    dtype: str
+    bytes_per_element: int
+    bytes_per_token: int
+    bytes_per_token_per_gpu: int
+    kv_heads_per_gpu: int
+    bytes_per_sequence_per_gpu: int
+    gpu_memory_bytes: int
+    free_bytes_per_gpu: int
+    budget_bytes_per_gpu: int
+    kv_cache_free_gpu_mem_fraction: float
+    max_tokens_in_paged_kv_cache: int | None
+    tokens_per_block: int
+    blocks: int
+    tokens: int
+    blocks_per_sequence: int
+    max_sequences: int
+    limited_by: str
+    basis: str = KV_BASIS
+
+
+@dataclass
+class DecodePoint:
+    """Roofline decode speed at one batch size."""
+
+    batch: int
+    memory_ms: float
+    compute_ms: float | None
+    step_ms: float
+    bound: str
+    tokens_per_s_per_sequence: float
+    tokens_per_s: float
+
+
+@dataclass
+class PrefillPlan:
+    """Roofline prefill time for one max_input_len prompt."""
+
+    tokens: int
+    gemm_flops: float
+    attention_flops: float
+    compute_s: float | None
+    memory_s: float
+    seconds: float | None
+    tokens_per_s: float | None
+    tensor_tflops: dict[str, float]
+    basis: str = PREFILL_BASIS
+
+
+@dataclass
+class LimitsPlan:
+    """Concurrency and roofline limits."""
+
+    max_batch_size: int
+    max_concurrent_sequences: int
+    batch_reachable: bool
+    decode_context_len: int
+    decode: list[DecodePoint]
+    prefill: PrefillPlan
+    decode_basis: str = DECODE_BASIS
+
+
+@dataclass
+class Plan:
+    """The planner's answer. ``fits``/``verdict``/``first_limit``/``advice`` summarise it; ``to_dict()``
+    gives JSON-ready content with every figure and its basis."""
+
+    model: dict[str, Any]
+    gpu: dict[str, Any]
+    gpu_count: int | None
+    tp: int
+    pp: int
+    world_size: int
+    replicas: int
+    settings: dict[str, Any]
+    weights: WeightsPlan
+    workspace: WorkspacePlan
+    kv_cache: KVCachePlan
+    limits: LimitsPlan
+    stages: list[StagePlan]
+    fits: bool
+    first_limit: str | None
+    verdict: str
+    advice: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """All figures as plain JSON-ready values (bytes as ints, times in ms/s as floats)."""
+        return dataclasses.asdict(self)
