@@ -11,6 +11,8 @@ from kiln.plan.model import (
 from kiln.plan.planner import Plan, PlanInputs, make_plan, resolve_gpu, valid_tp_sizes
 from kiln.plan.recipe import plan_for, plan_gpu, plan_inputs, recipe_model_config
 from kiln.plan.render import render_plan
+from kiln.plan.result import SpeedPlan, WorkloadPlan
+from kiln.plan.speed import SpeedModel, SpeedParams, Workload
 
 __all__ = [
     "ModelShape",
@@ -29,4 +31,9 @@ __all__ = [
     "shipped_model_config",
     "shipped_model_ids",
     "valid_tp_sizes",
+    "SpeedModel",
+    "SpeedParams",
+    "SpeedPlan",
+    "Workload",
+    "WorkloadPlan",
 ]

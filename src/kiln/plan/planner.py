@@ -41,6 +41,8 @@ from kiln.plan.result import (
     WeightsPlan,
     WorkspacePlan,
 )
+from kiln.plan.speed import Workload
+from kiln.plan.speed import predict as predict_speed
 from kiln.recipe import formats as registry
 from kiln.recipe.gpus import GPUSpec, known_gpu_names, lookup_gpu
 
@@ -171,6 +173,7 @@ class _StageWeights:
     lm_head_read: float = 0.0
     excluded: float = 0.0
     gemm_params: dict[str, int] = field(default_factory=dict)  # tensor type -> params, decoder layers
+    gemm_bytes: dict[str, float] = field(default_factory=dict)  # tensor type -> bytes, decoder layers
     lm_head_gemm: tuple[str, int] = ("base", 0)
     excluded_names: set[str] = field(default_factory=set)
 
@@ -216,6 +219,7 @@ def _stage_weights(
                 if excluded:
                     w.excluded += nbytes
             w.gemm_params[gemm] = w.gemm_params.get(gemm, 0) + weights
+            w.gemm_bytes[gemm] = w.gemm_bytes.get(gemm, 0.0) + nbytes
             w.params += weights + biases
             if ".mlp." in lin.name:
                 w.mlp += nbytes
@@ -349,6 +353,11 @@ def _evaluate(inputs: PlanInputs, gpu: GPUSpec, gpu_count: int | None) -> Plan:
                 kv_bytes_per_token=kv_per_token,
                 kv_budget_bytes=budget,
                 kv_tokens=budget // kv_per_token,
+                gemm_params=dict(sw.gemm_params),
+                gemm_bytes={k: math.ceil(v) for k, v in sw.gemm_bytes.items()},
+                lm_head_gemm=sw.lm_head_gemm[0],
+                lm_head_params=sw.lm_head_gemm[1],
+                lm_head_read_bytes=math.ceil(sw.lm_head_read),
             )
         )
 
@@ -432,6 +441,7 @@ def _evaluate(inputs: PlanInputs, gpu: GPUSpec, gpu_count: int | None) -> Plan:
             "bandwidth_gbs": gpu.bandwidth_gbs,
             "tflops": dict(gpu.tflops),
             "source": gpu.source,
+            "interconnect": dataclasses.asdict(gpu.interconnect) if gpu.interconnect else None,
         },
         gpu_count=gpu_count,
         tp=tp,
@@ -710,8 +720,13 @@ def _advise(plan: Plan, inputs: PlanInputs, gpu: GPUSpec, gpu_count: int | None)
     return advice
 
 
-def make_plan(inputs: PlanInputs, gpu: GPUSpec, gpu_count: int | None = None) -> Plan:
+def make_plan(inputs: PlanInputs, gpu: GPUSpec, gpu_count: int | None = None,
+              workload: Workload | None = None) -> Plan:
     """Plan ``inputs`` on ``gpu_count`` GPUs of model ``gpu`` (None: as many as tp × pp needs).
+
+    With a ``workload`` (prompt/output lengths, optionally a concurrency) a plan that fits also predicts its
+    serving speed (``Plan.workload``, how in ``Plan.speed``; see :mod:`kiln.plan.speed`); one that does not fit
+    says so in its warnings instead.
 
     Raises PlanError for bad input (unknown format or dtype, model config missing fields, tp that does
     not split the heads, …), naming what is allowed. A plan that does not fit is not an error: see
@@ -721,4 +736,9 @@ def make_plan(inputs: PlanInputs, gpu: GPUSpec, gpu_count: int | None = None) ->
         raise PlanError(f"gpu_count must be a positive integer, got {gpu_count!r}")
     plan = _evaluate(inputs, gpu, gpu_count)
     plan.advice = _advise(plan, inputs, gpu, gpu_count)
+    if workload is not None:
+        if plan.fits:
+            plan.workload, plan.speed = predict_speed(plan, workload)
+        else:
+            plan.warnings.append("no speed prediction: the plan does not fit")
     return plan

@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 from kiln.plan.errors import PlanError
 from kiln.plan.model import load_model_config, shipped_model_config
 from kiln.plan.planner import Plan, PlanInputs, make_plan
+from kiln.plan.speed import Workload
 from kiln.recipe.gpus import GPUSpec, known_gpu_names, lookup_gpu
 from kiln.recipe.loader import LoadedRecipe
 from kiln.recipe.schema import BUILTIN_PREFIX, HF_PREFIX, Recipe
@@ -47,7 +48,8 @@ def plan_inputs(recipe: Recipe, config: dict[str, Any], max_seq_len: Optional[in
                       max_input_len=e.max_input_len, max_seq_len=seq + e.speculative.max_draft_len,
                       max_num_tokens=e.max_num_tokens, tokens_per_block=e.tokens_per_block,
                       kv_cache_free_gpu_mem_fraction=s.kv_cache_free_gpu_mem_fraction,
-                      max_tokens_in_paged_kv_cache=s.max_tokens_in_paged_kv_cache, target=recipe.target)
+                      max_tokens_in_paged_kv_cache=s.max_tokens_in_paged_kv_cache, target=recipe.target,
+                      enable_chunked_context=s.enable_chunked_context, fp8_context_fmha=e.use_fp8_context_fmha)
 
 
 def plan_gpu(loaded: LoadedRecipe, gpu: Union[str, GPUSpec, None] = None) -> GPUSpec:
@@ -66,8 +68,9 @@ def plan_gpu(loaded: LoadedRecipe, gpu: Union[str, GPUSpec, None] = None) -> GPU
 
 
 def plan_for(loaded: LoadedRecipe, gpu: Union[str, GPUSpec, None] = None, count: Optional[int] = None,
-             model_config: Union[Path, dict, None] = None) -> Plan:
-    """Plan the recipe on ``count`` GPUs of model ``gpu`` (defaults: the recipe's hardware section).
+             model_config: Union[Path, dict, None] = None, workload: Optional[Workload] = None) -> Plan:
+    """Plan the recipe on ``count`` GPUs of model ``gpu`` (defaults: the recipe's hardware section), and its
+    serving speed for ``workload`` when given (see :func:`~kiln.plan.planner.make_plan`).
 
     ``model_config`` is a config.json path or dict for models kiln cannot read without a download. Raises
     PlanError for what cannot be planned (no or unknown GPU, no model config, bad planner input), saying what
@@ -83,4 +86,4 @@ def plan_for(loaded: LoadedRecipe, gpu: Union[str, GPUSpec, None] = None, count:
     if cfg is None:
         raise PlanError(f"no model config for {loaded.recipe.model.source} without downloading it: pass "
                         "--model-config FILE (the model's config.json)")
-    return make_plan(plan_inputs(loaded.recipe, cfg), spec, count or loaded.recipe.hardware.count)
+    return make_plan(plan_inputs(loaded.recipe, cfg), spec, count or loaded.recipe.hardware.count, workload)

@@ -70,11 +70,18 @@ class PlanInputs:
     kv_cache_free_gpu_mem_fraction: float = 0.9
     max_tokens_in_paged_kv_cache: int | None = None
     target: str = "tensorrt"
+    enable_chunked_context: bool = False
+    fp8_context_fmha: bool = False
 
 
 @dataclass
 class StagePlan:
-    """One pipeline stage, as seen by each of its tp ranks (all bytes per GPU)."""
+    """One pipeline stage, as seen by each of its tp ranks (all bytes per GPU).
+
+    ``gemm_params`` / ``gemm_bytes``: the decoder layers' matrices by the tensor-core type their GEMMs run in
+    (``base`` is the activation dtype); ``lm_head_*``: the output head, which only the rows that need logits
+    multiply (``lm_head_read_bytes`` is what a step streams: the embedding table when tied).
+    """
 
     stage: int
     first_layer: int
@@ -92,6 +99,11 @@ class StagePlan:
     kv_bytes_per_token: int
     kv_budget_bytes: int
     kv_tokens: int
+    gemm_params: dict[str, int] = field(default_factory=dict)
+    gemm_bytes: dict[str, int] = field(default_factory=dict)
+    lm_head_gemm: str = "base"
+    lm_head_params: int = 0
+    lm_head_read_bytes: int = 0
 
 
 @dataclass
@@ -212,7 +224,84 @@ class Plan:
     verdict: str
     advice: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    workload: WorkloadPlan | None = None
+    speed: SpeedPlan | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """All figures as plain JSON-ready values (bytes as ints, times in ms/s as floats)."""
         return dataclasses.asdict(self)
+
+
+SPEED_BASIS = (
+    "in-flight batching in steady state, closed loop: `batch` requests in flight, each finished one replaced at "
+    "once. Each step decodes one token for every generating sequence and, in some steps, carries prompt tokens "
+    "(a whole prompt, several, or a chunk of one when chunked context is on) up to max_num_tokens. A step's time "
+    "per GPU: every GEMM as max(weight streaming, math) + overlap × the shorter of the two (weights at the "
+    "measured streaming fraction of HBM bandwidth, math at the measured compute fraction of the dense tensor "
+    "peak × a fitted scale); decode attention reads each sequence's KV cache (prompt + half the output) at the "
+    "measured attention fraction of bandwidth; prompt attention = 2 × layers × heads × head_dim × chunk × isl "
+    "FLOPs at the measured fraction × a fitted scale; tensor parallelism adds 2 all-reduces per layer of tokens "
+    "× hidden × activation bytes (latency + 2(tp−1)/tp × bytes ÷ link bandwidth, from the GPU table); pipeline "
+    "stages pass their activations over the same link and run tp-sized micro-batches of batch/pp; a fitted "
+    "overhead per step and per sequence. TPOT = the mean step; TTFT = the prompt's steps (+ waiting for a slot "
+    "when concurrency exceeds the batch); E2E = TTFT + (osl − 1) × TPOT; tokens/s = requests finished per "
+    "second × osl (Little's law ties them to the batch). Measured fractions: plan/data/kernel_efficiency.json; "
+    "fitted scalars: plan/data/speed_fit.json."
+)
+ANCHOR_NOTE = (
+    "calibrated on TensorRT-LLM 1.0's published trtllm-bench max-throughput rows (Llama 3.1 8B FP8; 70B rows "
+    "held out), measured with the PyTorch backend (trtllm-bench's default since 0.19): for `target: tensorrt` "
+    "they are a proxy"
+)
+
+
+@dataclass
+class WorkloadPlan:
+    """Predicted serving speed for ``isl``/``osl`` at ``concurrency`` (None: the largest batch the limits
+    allow). ``limited_by`` names what stopped the batch: ``kv_cache``, ``max_batch_size``, ``max_num_tokens``
+    or ``concurrency`` (the workload itself). Token rates count output tokens only."""
+
+    isl: int
+    osl: int
+    concurrency: int | None
+    batch: int
+    limited_by: str
+    ttft_ms: float
+    tpot_ms: float
+    e2e_ms: float
+    output_tokens_per_s: float
+    output_tokens_per_s_per_gpu: float
+
+
+@dataclass
+class StepTime:
+    """One engine step's time per GPU (ms), by component, for ``decode`` sequences and ``prefill`` prompt
+    tokens (per step, whole engine; with pp > 1 the slowest stage's micro-batch times pp)."""
+
+    decode: float
+    prefill: float
+    gemm_ms: float
+    decode_attention_ms: float
+    prefill_attention_ms: float
+    communication_ms: float
+    overhead_ms: float
+    total_ms: float
+
+
+@dataclass
+class SpeedPlan:
+    """How :class:`WorkloadPlan` was reached: each limit's batch, the steady state, the two kinds of step,
+    the kernel fractions and fitted scalars used, and the basis."""
+
+    limits: dict[str, int]
+    requests_per_s: float
+    prefill_tokens_per_step: float
+    steps_with_prefill: float
+    prompt_steps: int
+    queue_wait_ms: float
+    decode_step: StepTime
+    prefill_step: StepTime
+    fractions: dict[str, Any]
+    fitted: dict[str, Any]
+    anchors: str = ANCHOR_NOTE
+    basis: str = SPEED_BASIS
