@@ -173,11 +173,11 @@ def test_recorder_leaves_token_figures_empty_when_unknown() -> None:
 
 
 def _report(levels: list) -> BenchReport:
-    return BenchReport({"model": "m", "url": "h:1", "output_len": 32}, {}, levels, "now", 1.0)
+    return BenchReport({"model": "m", "url": "h:1", "input_len": 64, "output_len": 32}, {}, levels, "now", 1.0)
 
 
-def test_compare_with_plan_uses_the_decode_roofline() -> None:
-    from kiln.plan import PlanInputs, make_plan, resolve_gpu, shipped_model_config
+def test_compare_with_plan_uses_the_planners_speed_model() -> None:
+    from kiln.plan import PlanInputs, SpeedModel, Workload, make_plan, resolve_gpu, shipped_model_config
 
     plan = make_plan(
         PlanInputs(model_config=shipped_model_config("hf:meta-llama/Llama-3.1-8B-Instruct"), weight_format="fp8"),
@@ -189,22 +189,24 @@ def test_compare_with_plan_uses_the_decode_roofline() -> None:
     level = rec.result()
     rows = compare_with_plan(_report([level]), plan)
     by_metric = {r.metric: r for r in rows}
-    point = next(p for p in plan.limits.decode if p.batch == 4)
-    assert by_metric["itl_p50_ms"].ideal == pytest.approx(point.step_ms)
-    assert by_metric["itl_p50_ms"].ratio == pytest.approx(10.0 / point.step_ms)
-    assert by_metric["output_tokens_per_s"].ideal == pytest.approx(point.tokens_per_s)
-    assert by_metric["e2e_p50_ms"].ideal == pytest.approx(32 * point.step_ms)
-    # A batch between two planner points is interpolated; a rate level has no ideal.
-    rec3 = Recorder(BenchConfig(url="h:1"), Level("concurrency", 3), "responses")
-    rec3.t_start = 0.0
-    rec3.add(_outcome("p", [0.01, 0.02], "x"))
-    lo, hi = (next(p for p in plan.limits.decode if p.batch == b) for b in (2, 4))
-    row3 = compare_with_plan(_report([rec3.result()]), plan)[0]
-    assert lo.step_ms < row3.ideal < hi.step_ms or lo.step_ms == hi.step_ms
+    # The same prediction `kiln plan --isl 64 --osl 32 --concurrency 4` makes (input_len words ≈ tokens).
+    expected, _ = SpeedModel(plan).predict(Workload(64, 32, 4))
+    assert by_metric["ttft_p50_ms"].predicted == pytest.approx(expected.ttft_ms)
+    assert by_metric["itl_p50_ms"].predicted == pytest.approx(expected.tpot_ms)
+    assert by_metric["itl_p50_ms"].ratio == pytest.approx(10.0 / expected.tpot_ms)
+    assert by_metric["e2e_p50_ms"].predicted == pytest.approx(expected.e2e_ms)
+    assert by_metric["output_tokens_per_s"].predicted == pytest.approx(expected.output_tokens_per_s)
+    assert "PyTorch backend" in by_metric["ttft_p50_ms"].basis  # the anchors' caveat travels with the figures
+    # An explicit prompt length replaces input_len; a rate level has no fixed concurrency, so no prediction.
+    other = {r.metric: r for r in compare_with_plan(_report([level]), plan, isl=1000)}
+    assert other["ttft_p50_ms"].predicted == pytest.approx(SpeedModel(plan).predict(Workload(1000, 32, 4))[0].ttft_ms)
     rate = Recorder(BenchConfig(url="h:1", rate=3.0), Level("rate", 3.0), "responses")
     rate.t_start = 0.0
     assert compare_with_plan(_report([rate.result()]), plan) == []
-    assert "x ideal" in format_comparison(rows)
+    assert "x plan" in format_comparison(rows)
+    # A workload the engine refuses (a prompt longer than max_input_len) gives the reason, not figures.
+    (refused,) = compare_with_plan(_report([level]), plan, isl=5000)
+    assert refused.metric == "none" and "max_input_len" in format_comparison([refused])
 
 
 def test_mock_expected_text_is_pinned() -> None:

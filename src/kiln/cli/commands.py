@@ -98,27 +98,85 @@ def quantize(recipe, overrides, strict, force, quiet, build_dir, repo_dir):
 
 
 @cli.command(name="plan")
-@click.argument("recipe")
+@click.argument("recipes", nargs=-1, required=True, metavar="RECIPE...")
 @set_option
-@click.option("--gpu", help="GPU to plan for (default: the recipe's hardware.gpu).")
+@click.option("--gpu", help="GPU to plan for (default: the recipe's hardware.gpu); with --compare, a comma-separated "
+              "list to compare.")
 @click.option("--count", type=int, help="GPUs available (default: the recipe's hardware.count, else tp × pp).")
 @click.option("--model-config", type=click.Path(path_type=Path, exists=True, dir_okay=True),
               help="A Hugging Face config.json (or model directory) for models kiln has no config for.")
-@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@click.option("--isl", type=click.IntRange(1), help="Prompt length in tokens: also predict serving speed for this "
+              "workload (TTFT, TPOT, E2E, tokens/s, the batch reached and what limits it).")
+@click.option("--osl", type=click.IntRange(1), help="Output length in tokens (with --isl).")
+@click.option("--concurrency", type=click.IntRange(1), help="Requests in flight (default: the largest batch the "
+              "KV cache, max_batch_size and max_num_tokens allow: maximum throughput).")
+@click.option("--compare", is_flag=True, help="Plan each RECIPE (on each --gpu) for the same workload side by side; "
+              "writes compare.json and compare.png (tokens/s per GPU against TTFT) to --out.")
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("build/plan-compare"),
+              show_default=True, help="Where --compare writes its files.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan (with --compare: the comparison) as JSON.")
 @handle_errors
-def plan_cmd(recipe, overrides, gpu: Optional[str], count: Optional[int], model_config: Optional[Path], as_json):
-    """Memory, KV-cache capacity and speed limits of RECIPE on a GPU — no GPU needed."""
-    from kiln.plan import PlanError, plan_for, render_plan
+def plan_cmd(recipes, overrides, gpu: Optional[str], count: Optional[int], model_config: Optional[Path], isl, osl,
+             concurrency, compare: bool, out_dir: Path, as_json: bool):
+    """Memory, KV-cache capacity and speed of RECIPE on a GPU — no GPU needed.
 
-    loaded = load(recipe, overrides)
-    try:
-        result = plan_for(loaded, gpu, count, model_config)
-    except PlanError as exc:
-        raise InputError(str(exc)) from None
+    With --isl/--osl it predicts serving speed with in-flight batching; the speed model is calibrated on
+    TensorRT-LLM's published trtllm-bench figures, measured with the PyTorch backend (a proxy for target:
+    tensorrt). With --compare, several recipes and GPUs side by side for one workload.
+    """
+    from kiln.plan import PlanError, Workload, plan_for, render_plan
+
+    problems = []
+    if (isl is None) != (osl is None):
+        problems.append("--isl and --osl go together")
+    if concurrency is not None and isl is None:
+        problems.append("--concurrency needs --isl and --osl")
+    if compare and isl is None:
+        problems.append("--compare needs a workload: --isl and --osl")
+    gpus = [g.strip() for g in gpu.split(",") if g.strip()] if gpu else [None]
+    if not compare and len(recipes) > 1:
+        problems.append(f"{len(recipes)} recipes given: plan one, or add --compare")
+    if not compare and len(gpus) > 1:
+        problems.append("several --gpu values need --compare")
+    if compare and len(recipes) * len(gpus) < 2:
+        problems.append("--compare needs two or more recipes or GPUs (e.g. --gpu H100-SXM,H200)")
+    if problems:
+        raise InputError("; ".join(problems))
+    workload = Workload(isl, osl, concurrency) if isl is not None else None
+    if not compare:
+        loaded = load(recipes[0], overrides)
+        try:
+            result = plan_for(loaded, gpus[0], count, model_config, workload)
+        except PlanError as exc:
+            raise InputError(str(exc)) from None
+        if as_json:
+            click.echo(json.dumps(result.to_dict(), indent=2))
+        else:
+            render_plan(result, out)
+        return
+    _plan_compare(recipes, overrides, gpus, count, model_config, workload, out_dir, as_json)
+
+
+def _plan_compare(recipes, overrides, gpus, count, model_config, workload, out_dir: Path, as_json: bool) -> None:
+    from kiln.plan import PlanError, plan_for
+    from kiln.plan.compare import compare_entry, compare_json, render_compare, write_compare
+
+    entries = []
+    for recipe in recipes:
+        loaded = load(recipe, overrides)
+        for g in gpus:
+            try:
+                plan = plan_for(loaded, g, count, model_config)
+            except PlanError as exc:
+                raise InputError(f"{recipe}: {exc}") from None
+            label = loaded.recipe.name + (f" on {plan.gpu['name']}" if len(gpus) > 1 or g else "")
+            entries.append(compare_entry(label, loaded.recipe.name, plan, workload))
+    paths = write_compare(entries, workload, out_dir)
     if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=2))
+        click.echo(json.dumps(compare_json(entries, workload), indent=2))
     else:
-        render_plan(result, out)
+        render_compare(entries, workload, out)
+    err.print("wrote " + ", ".join(str(p) for p in paths.values()), markup=False)
 
 
 @cli.command()

@@ -160,7 +160,8 @@ def _levels(text: str) -> tuple[int, ...]:
 @click.option("--prompts", type=click.Path(path_type=Path, exists=True), help="Prompts file (one per line / jsonl).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("build/bench"), show_default=True,
               help="Where bench.json / bench.csv / bench.png go.")
-@click.option("--recipe", help="Compare figures against the planner's ideal for this recipe …")
+@click.option("--recipe", help="Compare each level with `kiln plan`'s speed prediction for this recipe (the same "
+              "model: isl = --input-len, osl = --output-len, the level's concurrency) …")
 @click.option("--gpu", help="… on this GPU (default: the recipe's hardware.gpu).")
 @handle_errors
 def bench(url, model, concurrency, rate, poisson, duration, input_len, output_len, prompts, out_dir, recipe, gpu):

@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kiln.plan.planner import GIB, Plan
+from kiln.plan.result import ANCHOR_NOTE
 
 __all__ = ["render_plan"]
 
@@ -101,6 +102,9 @@ def render_plan(plan: Plan, console: Console) -> None:
         console.print(decode)
     console.print()
 
+    if plan.workload is not None:
+        _render_workload(plan, console)
+
     style = "bold green" if plan.fits and plan.first_limit is None else ("bold yellow" if plan.fits else "bold red")
     console.print(f"[{style}]Verdict:[/] {plan.verdict}")
     for line in plan.advice:
@@ -108,3 +112,27 @@ def render_plan(plan: Plan, console: Console) -> None:
     for line in plan.warnings:
         console.print(f"[yellow]warning:[/] {line}")
     console.print("[dim]Estimates from datasheet peaks; see the JSON output (--json) for every basis.[/]")
+
+
+def _render_workload(plan: Plan, console: Console) -> None:
+    """The workload's predicted speed (the same fields as the JSON's ``workload``) and its two kinds of step."""
+    w, sp = plan.workload, plan.speed
+    assert w is not None and sp is not None
+    table = _table(f"Workload: isl {w.isl}, osl {w.osl}, concurrency "
+                   f"{w.concurrency if w.concurrency is not None else 'max throughput'}")
+    limits = ", ".join(f"{k} {v:,}" for k, v in sp.limits.items())
+    table.add_row("batch", f"{w.batch:,} (limited by {w.limited_by}; each limit allows: {limits})")
+    table.add_row("TTFT", f"{w.ttft_ms:,.1f} ms ({sp.prompt_steps} prompt step(s)"
+                  + (f", {sp.queue_wait_ms:,.0f} ms waiting for a slot" if sp.queue_wait_ms else "") + ")")
+    table.add_row("TPOT", f"{w.tpot_ms:,.2f} ms (mean step; {sp.steps_with_prefill:.0%} of steps carry prompt "
+                  f"tokens, {sp.prefill_tokens_per_step:,.0f} per step on average)")
+    table.add_row("E2E", f"{w.e2e_ms:,.0f} ms")
+    table.add_row("output tokens/s", f"{w.output_tokens_per_s:,.0f} total, {w.output_tokens_per_s_per_gpu:,.0f} per GPU "
+                  f"({sp.requests_per_s:,.2f} requests/s)")
+    for name, st in (("decode step", sp.decode_step), ("step with prompt", sp.prefill_step)):
+        table.add_row(name, f"{st.total_ms:,.2f} ms = GEMM {st.gemm_ms:,.2f} + decode attention "
+                      f"{st.decode_attention_ms:,.2f} + prompt attention {st.prefill_attention_ms:,.2f} + "
+                      f"communication {st.communication_ms:,.2f} + overhead {st.overhead_ms:,.2f}")
+    console.print(table)
+    console.print(f"[dim]Speed: {ANCHOR_NOTE}.[/]")
+    console.print()

@@ -57,7 +57,7 @@ from kiln.serve.bench.mock import mock_expected_text, write_mock_repository
 from kiln.serve.bench.prompts import PromptSet, load_prompts, synthetic_prompts
 from kiln.serve.bench.report import (
     BenchReport,
-    IdealComparison,
+    PlanComparison,
     compare_with_plan,
     format_comparison,
     format_report,
@@ -69,7 +69,7 @@ __all__ = [
     "BenchConfig",
     "BenchError",
     "BenchReport",
-    "IdealComparison",
+    "PlanComparison",
     "Level",
     "LevelResult",
     "PromptSet",

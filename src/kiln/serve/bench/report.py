@@ -1,5 +1,5 @@
 """``kiln bench``'s report: all levels of a run (:class:`BenchReport`) written as JSON, CSV and a plot, a text
-table, and each level's figures against the planner's roofline ideal (:func:`compare_with_plan`)."""
+table, and each level's figures against the planner's speed model (:func:`compare_with_plan`)."""
 
 from __future__ import annotations
 
@@ -165,72 +165,70 @@ def format_report(report: BenchReport) -> str:
     return "\n".join(lines)
 
 
-# ============================================================================================== planner ideal
+# ============================================================================================== planner figures
 
 
 @dataclass(frozen=True)
-class IdealComparison:
-    """One measured figure next to the planner's ideal for it (``ratio`` = measured / ideal)."""
+class PlanComparison:
+    """One measured figure next to the planner's prediction for it (``ratio`` = measured / predicted)."""
 
     level: str
     metric: str
     measured: float | None
-    ideal: float
+    predicted: float
     ratio: float | None
     basis: str
 
 
-def _decode_step(plan: Plan, batch: int) -> tuple[float, float] | None:
-    """(step_ms, tokens/s) at ``batch``: the planner's point or a linear interpolation; None outside its range."""
-    points = sorted(plan.limits.decode, key=lambda p: p.batch)
-    for p in points:
-        if p.batch == batch:
-            return p.step_ms, p.tokens_per_s
-    for lo, hi in zip(points, points[1:], strict=False):
-        if lo.batch < batch < hi.batch:
-            frac = (batch - lo.batch) / (hi.batch - lo.batch)
-            step = lo.step_ms + frac * (hi.step_ms - lo.step_ms)
-            return step, batch / (step / 1e3)
-    return None
+def compare_with_plan(report: BenchReport, plan: Plan, isl: int | None = None) -> list[PlanComparison]:
+    """Each fixed-concurrency level against the planner's speed model (:mod:`kiln.plan.speed`) for the same
+    workload: TTFT p50, ITL p50 (against TPOT), E2E p50 and output tokens/s.
 
-
-def compare_with_plan(report: BenchReport, plan: Plan) -> list[IdealComparison]:
-    """Each level's figures against the planner's roofline ideal, where the planner has one.
-
-    Fixed-concurrency levels only (a rate level has no fixed batch). Compared: ITL p50 against the decode step
-    time at batch = concurrency, output tokens/s against the decode throughput at that batch, and E2E p50
-    against ``output_len`` decode steps (prefill left out, so a lower bound). The planner's decode figures
-    assume every sequence at ``max_seq_len`` (worst case) and ignore overheads: see ``plan.limits.decode_basis``.
-    Levels whose concurrency exceeds what the plan can batch have no ideal.
+    The workload is ``isl`` prompt tokens (default: the run's synthetic prompt length in words, about one token
+    per word for byte-level BPE vocabularies), ``output_len`` output tokens and the level's concurrency. Rate
+    levels have no fixed concurrency and are left out; so is every level when the plan cannot predict the
+    workload (the reason is in the one row returned with metric ``none``).
     """
-    out_len = int(report.config.get("output_len", 0) or 0)
-    basis = "planner decode roofline at batch = concurrency (" + plan.limits.decode_basis + ")"
-    rows: list[IdealComparison] = []
+    from kiln.plan import PlanError, SpeedModel, Workload
+    from kiln.plan.result import ANCHOR_NOTE
+
+    osl = int(report.config.get("output_len", 0) or 0)
+    isl = isl or int(report.config.get("input_len", 0) or 0)
+    basis = (f"kiln plan speed model for isl {isl}, osl {osl} at the level's concurrency ({ANCHOR_NOTE}); "
+             "see the plan's `speed.basis`")
+    rows: list[PlanComparison] = []
+    try:
+        model = SpeedModel(plan)
+    except PlanError as exc:
+        return [PlanComparison("-", "none", None, 0.0, None, f"no prediction: {exc}")]
     for lv in report.levels:
-        if lv.mode != "concurrency" or lv.concurrency is None:
+        if lv.mode != "concurrency" or lv.concurrency is None or not osl or not isl:
             continue
-        point = _decode_step(plan, lv.concurrency)
-        if point is None:
-            continue
-        step_ms, tok_s = point
+        try:
+            wl, _ = model.predict(Workload(isl, osl, lv.concurrency))
+        except PlanError as exc:
+            return [PlanComparison("-", "none", None, 0.0, None, f"no prediction: {exc}")]
         pairs: list[tuple[str, float | None, float]] = [
-            ("itl_p50_ms", lv.itl_p50_ms, step_ms),
-            ("output_tokens_per_s", lv.output_tokens_per_s, tok_s),
+            ("ttft_p50_ms", lv.ttft_p50_ms, wl.ttft_ms),
+            ("itl_p50_ms", lv.itl_p50_ms, wl.tpot_ms),
+            ("e2e_p50_ms", lv.e2e_p50_ms, wl.e2e_ms),
+            ("output_tokens_per_s", lv.output_tokens_per_s, wl.output_tokens_per_s),
         ]
-        if out_len:
-            pairs.append(("e2e_p50_ms", lv.e2e_p50_ms, out_len * step_ms))
-        for metric, measured, ideal in pairs:
-            ratio = measured / ideal if measured is not None and ideal else None
-            rows.append(IdealComparison(lv.label, metric, measured, ideal, ratio, basis))
+        for metric, measured, predicted in pairs:
+            ratio = measured / predicted if measured is not None and predicted else None
+            rows.append(PlanComparison(lv.label, metric, measured, predicted, ratio, basis))
     return rows
 
 
-def format_comparison(rows: Sequence[IdealComparison]) -> str:
-    """A plain-text table of :func:`compare_with_plan`'s rows (``x ideal`` = measured / ideal)."""
+def format_comparison(rows: Sequence[PlanComparison]) -> str:
+    """A plain-text table of :func:`compare_with_plan`'s rows (``x plan`` = measured / predicted)."""
     if not rows:
-        return "(the planner has no ideal for these levels)"
-    lines = [f"{'level':>6}  {'metric':<20} {'measured':>10} {'ideal':>10} {'x ideal':>8}"]
+        return "(no fixed-concurrency level to compare with the plan)"
+    if rows[0].metric == "none":
+        return rows[0].basis
+    lines = [f"{'level':>6}  {'metric':<20} {'measured':>10} {'vs plan':>10} {'x plan':>8}"]
     for r in rows:
-        lines.append(f"{r.level:>6}  {r.metric:<20} {_fmt(r.measured, 2):>10} {r.ideal:>10.2f} {_fmt(r.ratio, 2):>8}")
-    lines.append("ideal: " + rows[0].basis)
+        lines.append(f"{r.level:>6}  {r.metric:<20} {_fmt(r.measured, 2):>10} {r.predicted:>10.2f} "
+                     f"{_fmt(r.ratio, 2):>8}")
+    lines.append("plan: " + rows[0].basis)
     return "\n".join(lines)
