@@ -6,6 +6,7 @@ process prints no traceback.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -271,3 +272,79 @@ def test_show_reports_errors_like_validate(kiln, write_recipe):
     result = kiln("show", write_recipe(THREE_MISTAKES))
     assert_bad_input(result)
     assert "3 problems found" in result.output
+
+
+# --------------------------------------------------------------------------------- kiln plan: workloads
+
+WORKLOAD_FIELDS = ["isl", "osl", "concurrency", "batch", "limited_by", "ttft_ms", "tpot_ms", "e2e_ms",
+                   "output_tokens_per_s", "output_tokens_per_s_per_gpu"]
+TP4 = CONFIGS / "llama-3.1-70b" / "fp8-tp4.yaml"
+
+
+def _json(result) -> dict:
+    assert result.exit_code == 0, result.output
+    # In-process, stderr (recipe warnings before, "wrote …" after) shares the output with the JSON.
+    return json.JSONDecoder().raw_decode(result.output[result.output.index("{\n"):])[0]
+
+
+def test_plan_workload_json_has_exactly_the_issue_fields_and_the_table_shows_them(kiln):
+    from kiln.plan import Workload, plan_for
+    from kiln.recipe.loader import load_recipe as load
+
+    plan = _json(kiln("plan", TP4, "--isl", "1000", "--osl", "1000", "--concurrency", "32", "--json"))
+    assert list(plan["workload"]) == WORKLOAD_FIELDS
+    expected = plan_for(load(TP4), workload=Workload(1000, 1000, 32)).workload
+    assert plan["workload"] == pytest.approx(expected.__dict__)
+    assert (plan["workload"]["batch"], plan["workload"]["limited_by"]) == (32, "concurrency")
+    # tokens/s per GPU is the total over the tp 4 engine's GPUs.
+    assert plan["workload"]["output_tokens_per_s_per_gpu"] == pytest.approx(expected.output_tokens_per_s / 4)
+    assert "PyTorch backend" in plan["speed"]["anchors"] and "proxy" in plan["speed"]["anchors"]
+    table = " ".join(kiln("plan", TP4, "--isl", "1000", "--osl", "1000", "--concurrency", "32").output.split())
+    for text in ("Workload: isl 1000, osl 1000, concurrency 32", "32 (limited by concurrency",
+                 f"TTFT {expected.ttft_ms:,.1f} ms", f"TPOT {expected.tpot_ms:,.2f} ms", f"E2E {expected.e2e_ms:,.0f} ms",
+                 f"{expected.output_tokens_per_s:,.0f} total, {expected.output_tokens_per_s_per_gpu:,.0f} per GPU",
+                 "PyTorch backend"):
+        assert text in table, text
+    # No workload, no speed section (the memory plan alone, as before).
+    assert _json(kiln("plan", TP4, "--json"))["workload"] is None
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--isl", "100"], "--isl and --osl go together"),
+        (["--concurrency", "4"], "--concurrency needs --isl and --osl"),
+        (["--isl", "9000", "--osl", "10"], "isl 9000 exceeds max_input_len 4096"),
+        (["--compare", "--isl", "10", "--osl", "10"], "--compare needs two or more recipes or GPUs"),
+        (["--compare"], "--compare needs a workload"),
+        (["--gpu", "H100-SXM,H200"], "several --gpu values need --compare"),
+    ],
+)
+def test_plan_workload_mistakes_exit_2(kiln, args, message):
+    result = kiln("plan", TP4, *args)
+    assert_bad_input(result)
+    assert message in result.output
+
+
+def test_plan_compare_writes_a_table_json_and_plot(kiln, tmp_path):
+    awq = CONFIGS / "llama-3.1-70b" / "int4-awq-tp2.yaml"
+    out = tmp_path / "cmp"
+    result = kiln("plan", "--compare", TP4, awq, "--gpu", "H100-SXM,B200", "--isl", "2000", "--osl", "500",
+                  "--out", out)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "llama-3.1-70b-fp8-tp4" in text and "llama-3.1-70b-int4-awq-tp2" in text and "PyTorch backend" in text
+    data = json.loads((out / "compare.json").read_text())
+    assert data["workload"] == {"isl": 2000, "osl": 500, "concurrency": None}
+    entries = {(e["recipe"], e["gpu"]): e for e in data["entries"]}
+    assert len(entries) == 4
+    # INT4 AWQ does not run on B200 (trtllm-build 1.2.1): no figures, the plan's verdict as the reason.
+    refused = entries[("llama-3.1-70b-int4-awq-tp2", "B200")]
+    assert refused["workload"] is None and refused["reason"].startswith("does not run on B200")
+    fp8 = entries[("llama-3.1-70b-fp8-tp4", "H100-SXM")]
+    assert list(fp8["workload"]) == WORKLOAD_FIELDS
+    assert [w["concurrency"] for w in fp8["curve"]][:3] == [1, 2, 4]
+    assert fp8["curve"][-1]["batch"] == fp8["workload"]["batch"]  # the curve ends at the max-throughput batch
+    assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _json(kiln("plan", "--compare", TP4, awq, "--isl", "2000", "--osl", "500", "--out", out,
+                      "--json"))["entries"][0]["label"] == "llama-3.1-70b-fp8-tp4"

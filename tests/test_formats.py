@@ -153,18 +153,41 @@ def test_b200_refuses_w4a8_awq_in_validate_and_plan_as_upstream_does(kiln) -> No
     assert formats.format_refusal("w4a8_awq", "tensorrt", 120) is None
 
 
-@pytest.mark.parametrize("path", shipped_recipes(), ids=recipe_id)
-def test_validate_and_plan_give_the_same_format_verdict_on_every_gpu(path: Path) -> None:
-    base = load_recipe(path, check_rules=False)
-    config = model_config(base)
-    assert config is not None
+# Every shipped recipe fits wherever its format runs, so one case beyond them makes validate's "does not fit"
+# warning and the plan's no-fit verdict meet too: 70B FP8 squeezed onto one GPU.
+VERDICT_CASES = [(path, ()) for path in shipped_recipes()] + [
+    (REPO_ROOT / "configs" / "llama-3.1-70b" / "fp8-tp4.yaml", ("parallelism.tp=1", "hardware.count=1")),
+]
+
+
+@pytest.mark.parametrize(("path", "sets"), VERDICT_CASES,
+                         ids=[recipe_id(p) + ("+" + ",".join(s) if s else "") for p, s in VERDICT_CASES])
+def test_validate_and_plan_give_the_same_verdict_on_every_gpu(kiln, path: Path, sets: tuple[str, ...]) -> None:
+    """The whole verdict on every GPU in the table: `kiln validate` (hardware.gpu set to it) refuses the recipe
+    (exit 2) exactly when `kiln plan --gpu` says it does not run there, with the same reason; it warns "does not
+    fit" exactly when the plan does not fit, with the plan's verdict; it is clean exactly when the plan fits."""
+    overrides = [arg for s in sets for arg in ("--set", s)]
+    seen = set()
     for gpu in GPUS.values():
-        recipe = load_recipe(path, [f"hardware.gpu={gpu.name}"], check_rules=False).recipe
-        refusals = _validate_refusals(recipe)
-        plan = make_plan(plan_inputs(recipe, config), gpu)
-        assert (plan.first_limit == "format") == bool(refusals), (gpu.name, refusals, plan.verdict)
-        if refusals:
-            assert plan.verdict == f"does not run on {gpu.name}: {refusals[0]}"
+        validated = kiln("validate", path, *overrides, "--set", f"hardware.gpu={gpu.name}")
+        planned = kiln("plan", path, *overrides, "--gpu", gpu.name, "--json")
+        assert planned.exit_code == 0, planned.output
+        plan = json.loads(planned.output[planned.output.index("{\n"):])  # in-process, warnings precede the JSON
+        said = " ".join(validated.output.split())  # rich wraps long lines
+        if plan["first_limit"] == "format":
+            seen.add("refused")
+            assert validated.exit_code == 2, (gpu.name, validated.output)
+            assert plan["verdict"].startswith(f"does not run on {gpu.name}: ")
+            assert plan["verdict"].removeprefix(f"does not run on {gpu.name}: ") in said, (gpu.name, said)
+        elif not plan["fits"]:
+            seen.add("does not fit")
+            assert validated.exit_code == 0, (gpu.name, validated.output)
+            assert f"does not fit: {plan['verdict']}" in said, (gpu.name, said)
+        else:
+            seen.add("fits")
+            assert validated.exit_code == 0 and "does not fit" not in said, (gpu.name, said)
+    if sets:
+        assert "does not fit" in seen  # the extra case does reach that branch
 
 
 def test_the_engine_step_refuses_what_validate_refuses(monkeypatch: pytest.MonkeyPatch) -> None:

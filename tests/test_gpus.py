@@ -120,3 +120,20 @@ def test_detect_failing_or_empty_nvidia_smi(tmp_path: Path, monkeypatch: pytest.
 def test_detect_without_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no nvidia-smi
     assert detect_gpus() is None
+
+
+def test_interconnects_are_the_published_figures() -> None:
+    # Per GPU and direction: NVLink 3 (12 links) 600 GB/s both ways -> 300; NVLink 4 (18 links) 900 -> 450;
+    # NVLink 5 1.8 TB/s -> 900; PCIe x16 Gen4 32 GB/s, Gen5 64 GB/s. Latency: TensorRT-LLM's custom all-reduce,
+    # 8 KB on 2 GPUs, as NVIDIA timed it (aiconfigurator @095f58a5).
+    expected = {
+        "A100-80GB": ("NVLink 3", 300.0, 4.7), "H100-SXM": ("NVLink 4", 450.0, 2.8), "H200": ("NVLink 4", 450.0, 2.8),
+        "B200": ("NVLink 5", 900.0, 4.8), "GB200": ("NVLink 5", 900.0, 4.8), "L40S": ("PCIe 4.0 x16", 32.0, 7.7),
+        "L4": ("PCIe 4.0 x16", 32.0, 7.7), "RTX-4090": ("PCIe 4.0 x16", 32.0, 7.7),
+        "A100-80GB-PCIe": ("PCIe 4.0 x16", 32.0, 7.7), "H100-PCIe": ("PCIe 5.0 x16", 64.0, 7.7),
+    }
+    for name, (kind, gbs, latency) in expected.items():
+        link = GPUS[name].interconnect
+        assert link is not None and (link.kind, link.gbs, link.latency_us) == (kind, gbs, latency), name
+    for spec in GPUS.values():
+        assert spec.interconnect is not None and "aiconfigurator" in spec.interconnect.source, spec.name

@@ -512,3 +512,23 @@ def test_workspace_limit_suggests_fewer_tokens_per_pass(llama8b: dict) -> None:
     assert not plan.fits and plan.first_limit == "workspace"
     # At max_num_tokens 16,384 activations are 2 GiB and it fits.
     assert any(a.startswith("max_num_tokens 16384: activations 2.00 GiB") for a in plan.advice)
+
+
+def test_memory_figures_for_70b_as_the_speed_work_left_them(llama70b: dict) -> None:
+    # Llama 70B: per layer q, o 8192×8192 = 67,108,864 each; k, v 8192×1024 = 8,388,608 each; MLP 3 × 8192 ×
+    # 28672 = 704,643,072; norms 2 × 8192 -> 855,654,400; × 80 = 68,452,352,000; embedding and lm_head
+    # 128256 × 8192 = 1,050,673,152 each; final norm 8192 -> 70,553,706,496 params.
+    fp16 = make_plan(_inputs(llama70b, dtype="float16"), TEST_GPU)
+    assert fp16.weights.total_params == 70_553_706_496
+    assert fp16.weights.total_bytes == 141_107_412_992  # × 2 bytes ≈ 140 GB
+    # INT4 AWQ: the decoder layers at 0.515625 bytes per weight ≈ 35 GB; embedding and the excluded lm_head
+    # stay at 2 bytes (4.2 GB): (855,654,400 − 16,384) × 0.515625 + 32,768 = 441,221,120 per layer × 80 =
+    # 35,297,689,600; total 35,297,689,600 + 4,202,692,608 + 16,384 = 39,500,398,592.
+    awq = make_plan(_inputs(llama70b, weight_format="int4_awq", dtype="float16"), TEST_GPU)
+    assert awq.stages[0].attention_bytes + awq.stages[0].mlp_bytes + 80 * 32_768 == 35_297_689_600
+    assert awq.weights.total_bytes == 39_500_398_592
+    # Full multi-head attention (64 KV heads), fp16 KV: 2 × 80 layers × 8192 × 2 B = 2,621,440 B ≈ 2.6 MB per
+    # token; a 4,096-token sequence: 2,621,440 × 4096 = 10,737,418,240 B ≈ 10.7 GB.
+    mha = make_plan(_inputs({**llama70b, "num_key_value_heads": 64}, dtype="float16", max_seq_len=4096), TEST_GPU)
+    assert mha.kv_cache.bytes_per_token == 2_621_440
+    assert mha.kv_cache.bytes_per_sequence_per_gpu == 10_737_418_240

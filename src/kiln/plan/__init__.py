@@ -1,4 +1,5 @@
-"""``kiln plan``: memory, KV-cache and roofline arithmetic for a recipe on a GPU (no GPU needed)."""
+"""``kiln plan``: memory, KV-cache and roofline arithmetic for a recipe on a GPU, and its serving speed for a
+workload (no GPU needed)."""
 
 from kiln.plan.errors import PlanError
 from kiln.plan.model import (
