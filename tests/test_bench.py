@@ -209,6 +209,34 @@ def test_compare_with_plan_uses_the_planners_speed_model() -> None:
     assert refused.metric == "none" and "max_input_len" in format_comparison([refused])
 
 
+def test_bench_recipe_prints_the_plans_prediction_beside_each_level(kiln, monkeypatch, tmp_path) -> None:
+    """`kiln bench --recipe` end to end through the CLI, with a stand-in for the load generator (a recorded
+    level instead of a server): the "vs plan" column is the speed model's prediction for the same workload."""
+    from conftest import CONFIGS
+
+    import kiln.serve.bench as bench_pkg
+    from kiln.plan import SpeedModel, Workload, plan_for
+    from kiln.recipe.loader import load_recipe
+
+    def stand_in_run_bench(cfg: BenchConfig) -> BenchReport:
+        rec = Recorder(cfg, Level("concurrency", 4), "responses")
+        rec.t_start = 0.0
+        rec.add(_outcome("p", [0.050, 0.060, 0.070], "x"))
+        return BenchReport(cfg.to_dict(), {}, [rec.result()], "now", 1.0)
+
+    monkeypatch.setattr(bench_pkg, "run_bench", stand_in_run_bench)
+    recipe = CONFIGS / "llama-3.1-8b" / "fp8.yaml"
+    result = kiln("bench", "--concurrency", "4", "--input-len", "512", "--output-len", "128", "--recipe", recipe,
+                  "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    expected, _ = SpeedModel(plan_for(load_recipe(recipe))).predict(Workload(512, 128, 4))
+    rows = {line.split()[1]: line.split() for line in result.output.splitlines() if line.split()[:1] == ["c4"]}
+    assert float(rows["ttft_p50_ms"][3]) == pytest.approx(expected.ttft_ms, abs=0.01)
+    assert float(rows["itl_p50_ms"][3]) == pytest.approx(expected.tpot_ms, abs=0.01)
+    assert float(rows["output_tokens_per_s"][3]) == pytest.approx(expected.output_tokens_per_s, abs=0.01)
+    assert "x plan" in result.output and "PyTorch backend" in result.output
+
+
 def test_mock_expected_text_is_pinned() -> None:
     # The mock's token algorithm (kiln/triton/models/mock_llm/mock_tokens.py), pinned: the served model and
     # mock_expected_text both run that one module, so a change to it shows here first.

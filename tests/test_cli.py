@@ -301,7 +301,8 @@ def test_plan_workload_json_has_exactly_the_issue_fields_and_the_table_shows_the
     assert "PyTorch backend" in plan["speed"]["anchors"] and "proxy" in plan["speed"]["anchors"]
     table = " ".join(kiln("plan", TP4, "--isl", "1000", "--osl", "1000", "--concurrency", "32").output.split())
     for text in ("Workload: isl 1000, osl 1000, concurrency 32", "32 (limited by concurrency",
-                 f"TTFT {expected.ttft_ms:,.1f} ms", f"TPOT {expected.tpot_ms:,.2f} ms", f"E2E {expected.e2e_ms:,.0f} ms",
+                 f"TTFT {expected.ttft_ms:,.1f} ms", f"TPOT {expected.tpot_ms:,.2f} ms",
+                 f"E2E {expected.e2e_ms:,.0f} ms",
                  f"{expected.output_tokens_per_s:,.0f} total, {expected.output_tokens_per_s_per_gpu:,.0f} per GPU",
                  "PyTorch backend"):
         assert text in table, text

@@ -133,7 +133,8 @@ def test_accuracy_against_the_published_rows() -> None:
 def test_gemm_overlap_reproduces_nvidias_measured_h100_gemms() -> None:
     # t = max(stream, math) + overlap × min(stream, math) against H100 SXM timings of an 8192 × 8192 GEMM.
     # bf16, m = 256: stream 8192² × 2 B / (0.802 × 3.35e12) = 49.95 µs; math 2 × 256 × 8192² / (0.779 ×
-    # 989e12) = 44.60 µs -> 49.95 + 0.15 × 44.60 = 56.64 µs; measured 2 × 256 × 8192² / (0.62 × 989e12) = 56.04 µs.
+    # 989e12) = 44.60 µs -> 49.95 + 0.15 × 44.60 = 56.64 µs; measured 2 × 256 × 8192² / (0.62 × 989e12)
+    # = 56.04 µs.
     table = kernel_table()
     hopper, check = table["generations"]["hopper"], table["overlap_check"]
     gpu = resolve_gpu(check["gpu"])

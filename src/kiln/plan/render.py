@@ -127,8 +127,8 @@ def _render_workload(plan: Plan, console: Console) -> None:
     table.add_row("TPOT", f"{w.tpot_ms:,.2f} ms (mean step; {sp.steps_with_prefill:.0%} of steps carry prompt "
                   f"tokens, {sp.prefill_tokens_per_step:,.0f} per step on average)")
     table.add_row("E2E", f"{w.e2e_ms:,.0f} ms")
-    table.add_row("output tokens/s", f"{w.output_tokens_per_s:,.0f} total, {w.output_tokens_per_s_per_gpu:,.0f} per GPU "
-                  f"({sp.requests_per_s:,.2f} requests/s)")
+    table.add_row("output tokens/s", f"{w.output_tokens_per_s:,.0f} total, {w.output_tokens_per_s_per_gpu:,.0f} per "
+                  f"GPU ({sp.requests_per_s:,.2f} requests/s)")
     for name, st in (("decode step", sp.decode_step), ("step with prompt", sp.prefill_step)):
         table.add_row(name, f"{st.total_ms:,.2f} ms = GEMM {st.gemm_ms:,.2f} + decode attention "
                       f"{st.decode_attention_ms:,.2f} + prompt attention {st.prefill_attention_ms:,.2f} + "

@@ -242,7 +242,7 @@ SPEED_BASIS = (
     "measured attention fraction of bandwidth; prompt attention = 2 × layers × heads × head_dim × chunk × isl "
     "FLOPs at the measured fraction × a fitted scale; tensor parallelism adds 2 all-reduces per layer of tokens "
     "× hidden × activation bytes (latency + 2(tp−1)/tp × bytes ÷ link bandwidth, from the GPU table); pipeline "
-    "stages pass their activations over the same link and run tp-sized micro-batches of batch/pp; a fitted "
+    "stages pass their activations over the same link, the batch running as pp micro-batches; a fitted "
     "overhead per step and per sequence. TPOT = the mean step; TTFT = the prompt's steps (+ waiting for a slot "
     "when concurrency exceeds the batch); E2E = TTFT + (osl − 1) × TPOT; tokens/s = requests finished per "
     "second × osl (Little's law ties them to the batch). Measured fractions: plan/data/kernel_efficiency.json; "
@@ -259,7 +259,8 @@ ANCHOR_NOTE = (
 class WorkloadPlan:
     """Predicted serving speed for ``isl``/``osl`` at ``concurrency`` (None: the largest batch the limits
     allow). ``limited_by`` names what stopped the batch: ``kv_cache``, ``max_batch_size``, ``max_num_tokens``
-    or ``concurrency`` (the workload itself). Token rates count output tokens only."""
+    or ``concurrency`` (the workload itself). Figures are for one engine (tp × pp GPUs; replicas multiply the
+    total); token rates count output tokens only."""
 
     isl: int
     osl: int

@@ -291,7 +291,7 @@ class SpeedModel:
             if abs(new_rate - rate) <= 1e-12 * rate:
                 break
             rate = new_rate
-        per_s = rate / (mean_ms * 1e-3)  # requests per second
+        per_s = batch / (e2e_ms * 1e-3)  # requests per second (Little's law: batch in flight for E2E each)
         wait_ms = 0.0
         if wl.concurrency is not None and wl.concurrency > batch:
             wait_ms = (wl.concurrency - batch) / per_s * 1e3  # closed loop: wait for that many to finish
