@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import pwd
-import shlex
 import shutil
 import signal
 import socket
@@ -139,6 +138,7 @@ class SlurmCluster:
         ]))
 
     def start(self) -> "SlurmCluster":
+        self.root.mkdir(parents=True, exist_ok=True)
         self._start_munge()
         self._write_conf()
         env = self.env
@@ -177,11 +177,19 @@ class SlurmCluster:
         self._procs.clear()
         shutil.rmtree(self.munge_dir, ignore_errors=True)
 
-    def completions(self) -> list[dict[str, str]]:
-        """Slurm's completion records (jobcomp/filetxt), one dict per finished job or array task."""
-        if not self.completion_file.is_file():
-            return []
-        return [parse_completion_line(line) for line in self.completion_file.read_text().splitlines() if line.strip()]
+    def completions(self, array_job: Optional[str] = None, expect: int = 0, timeout: float = 20) -> list[dict[str, str]]:
+        """Slurm's completion records (jobcomp/filetxt), one dict per finished job or array task; with
+        `array_job`, that array's tasks only, waiting up to `timeout` seconds for `expect` of them (slurmctld
+        appends a line as it retires each task)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = self.completion_file.read_text().splitlines() if self.completion_file.is_file() else []
+            found = [parse_completion_line(line) for line in lines if line.strip()]
+            if array_job is not None:
+                found = [c for c in found if c.get("ArrayJobId") == array_job]
+            if len(found) >= expect or time.monotonic() > deadline:
+                return found
+            time.sleep(0.2)
 
     def run(self, *cmd: str) -> str:
         return subprocess.run(list(cmd), capture_output=True, text=True, env=self.env, check=True).stdout
@@ -196,5 +204,3 @@ class SlurmCluster:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def describe(self) -> str:
-        return " ".join(shlex.quote(str(p)) for p in (self.conf,))

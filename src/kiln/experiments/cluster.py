@@ -16,9 +16,10 @@ from rich.console import Console
 
 from kiln.experiments import kubernetes, slurm
 from kiln.experiments.executors import gpus_for
-from kiln.experiments.sweep import Point, Sweep, point_fingerprint, write_results
+from kiln.experiments.sweep import Point, Sweep, point_fingerprint, point_key, write_results
 from kiln.experiments.tasks import (
     NO_RESULT,
+    PointId,
     Slot,
     TaskFile,
     TaskPoint,
@@ -38,13 +39,15 @@ from kiln.recipe.render import recipe_yaml
 from kiln.util.errors import InputError, KilnError
 
 
-def fingerprints(sweep: Sweep, layout: Layout) -> dict[int, str]:
-    """Every point's fingerprint (cheap: no model is loaded)."""
-    out: dict[int, str] = {}
+def point_ids(sweep: Sweep, layout: Layout) -> dict[int, PointId]:
+    """Every point's fingerprint and key (cheap: no model is loaded)."""
+    out: dict[int, PointId] = {}
     problems = []
     for p in sweep.points:
+        loaded = sweep.loaded[p.index]
         try:
-            out[p.index] = point_fingerprint(sweep.loaded[p.index], layout, sweep.spec)
+            fp = point_fingerprint(loaded, layout, sweep.spec)
+            out[p.index] = PointId(fp, point_key(loaded, fp))
         except KilnError as exc:
             problems.append(f"point {p.index} ({p.label}): {exc}")
     if problems:
@@ -64,7 +67,7 @@ def _states(sweep: Sweep, slots: dict[str, Slot], wanted: set[str]) -> Callable[
     return lambda slot: slurm.slot_state(states, slot)
 
 
-def _task_files(sweep: Sweep, todo: list[Point], fps: dict[int, str], submission: str, build_root: str,
+def _task_files(sweep: Sweep, todo: list[Point], ids: dict[int, PointId], submission: str, build_root: str,
                 repo_root: str, write_log: bool) -> list[TaskFile]:
     """One task file per GPU count (a job array / Job gives every task the same resources), in point order."""
     groups: dict[int, list[Point]] = collections.defaultdict(list)
@@ -74,7 +77,8 @@ def _task_files(sweep: Sweep, todo: list[Point], fps: dict[int, str], submission
     tasks = []
     for g, gpus in enumerate(sorted(groups)):
         points = [TaskPoint(point=p.index, label=p.label, overrides=p.overrides,
-                            recipe=sweep.loaded[p.index].recipe.name, fingerprint=fps[p.index], gpus=gpus,
+                            recipe=sweep.loaded[p.index].recipe.name, fingerprint=ids[p.index].fingerprint,
+                            key=ids[p.index].key, gpus=gpus,
                             recipe_yaml=recipe_yaml(sweep.loaded[p.index].recipe, skip=("extends",)))
                   for p in groups[gpus]]
         tasks.append(TaskFile(sweep=sweep.name, submission=submission, group=g, executor=sweep.spec.executor,
@@ -89,29 +93,30 @@ def submit_sweep(sweep: Sweep, layout: Layout, *, dry_run: bool, wait: bool, con
     progress until none is, then collect. Returns the collected records (None when it did not wait)."""
     spec = sweep.spec
     state = sweep_dir(layout.build_root, sweep.name)
-    fps = fingerprints(sweep, layout)
+    ids = point_ids(sweep, layout)
     done = done_records(state)
     bench = _bench(sweep)
     slots = latest_slots(state)
-    unfinished = {fp for fp in fps.values() if not is_done(done.get(fp), bench)}
+    keys = {i.key for i in ids.values()}
+    unfinished = {k for k in keys if not is_done(done.get(k), bench)}
     task_state = _states(sweep, slots, unfinished)
-    in_flight = {fp for fp in unfinished if fp in slots and task_state(slots[fp]) is not None}
+    in_flight = {k for k in unfinished if k in slots and task_state(slots[k]) is not None}
     todo, seen = [], set()
     for p in sweep.points:
-        fp = fps[p.index]
-        if fp in unfinished and fp not in in_flight and fp not in seen:
-            seen.add(fp)
+        key = ids[p.index].key
+        if key in unfinished and key not in in_flight and key not in seen:
+            seen.add(key)
             todo.append(p)
-    n_done = len(set(fps.values()) - unfinished)
+    n_done = len(keys - unfinished)
     console.print(f"sweep {sweep.name} ({spec.executor}): {len(sweep.points)} points — {n_done} done, "
                   f"{len(in_flight)} queued or running, {len(todo)} to submit")
     if todo:
         submission = next_submission_id(state)
         sub_dir = state / "submissions" / submission
         if spec.executor == "slurm":
-            _submit_slurm(sweep, todo, fps, submission, sub_dir, layout, dry_run, console, out)
+            _submit_slurm(sweep, todo, ids, submission, sub_dir, layout, dry_run, console, out)
         else:
-            _render_kubernetes(sweep, todo, fps, submission, sub_dir, dry_run, console, out)
+            _render_kubernetes(sweep, todo, ids, submission, sub_dir, dry_run, console, out)
     if dry_run or spec.executor == "kubernetes":
         return None
     if not wait:
@@ -119,14 +124,19 @@ def submit_sweep(sweep: Sweep, layout: Layout, *, dry_run: bool, wait: bool, con
             console.print(f"submitted; gather the results with: kiln sweep collect {sweep.file}"
                           + (f" --build-dir {layout.build_root}" if str(layout.build_root) != "build" else ""))
         return None
-    wait_slurm(sweep, layout, fps, console)
-    return collect_sweep(sweep, layout, wait=False, console=console, fps=fps)
+    try:
+        wait_slurm(sweep, layout, ids, console)
+    except KeyboardInterrupt:
+        console.print(f"stopped waiting; the jobs keep running (scancel stops them). Gather the results with: "
+                      f"kiln sweep collect {sweep.file}")
+        raise
+    return collect_sweep(sweep, layout, wait=False, console=console, ids=ids)
 
 
-def _submit_slurm(sweep: Sweep, todo: list[Point], fps: dict[int, str], submission: str, sub_dir: Path,
+def _submit_slurm(sweep: Sweep, todo: list[Point], ids: dict[int, PointId], submission: str, sub_dir: Path,
                   layout: Layout, dry_run: bool, console: Console, out: Console) -> None:
     settings = sweep.spec.slurm
-    tasks = _task_files(sweep, todo, fps, submission, str(layout.build_root.resolve()),
+    tasks = _task_files(sweep, todo, ids, submission, str(layout.build_root.resolve()),
                         str(layout.repo_root.resolve()), write_log=False)
     abs_sub = sub_dir.resolve()
     scripts = []
@@ -159,10 +169,10 @@ def _submit_slurm(sweep: Sweep, todo: list[Point], fps: dict[int, str], submissi
                       + (f", {gpus} GPU(s) each" if gpus else "") + f" — logs in {sub_dir / 'logs'}")
 
 
-def _render_kubernetes(sweep: Sweep, todo: list[Point], fps: dict[int, str], submission: str, sub_dir: Path,
+def _render_kubernetes(sweep: Sweep, todo: list[Point], ids: dict[int, PointId], submission: str, sub_dir: Path,
                        dry_run: bool, console: Console, out: Console) -> None:
     settings = sweep.spec.kubernetes
-    tasks = _task_files(sweep, todo, fps, submission, kubernetes.BUILD_DIR, kubernetes.REPO_DIR, write_log=True)
+    tasks = _task_files(sweep, todo, ids, submission, kubernetes.BUILD_DIR, kubernetes.REPO_DIR, write_log=True)
     objects = kubernetes.render_objects(tasks, settings)
     header = (f"# kiln sweep {sweep.name}, submission {submission}: {len(todo)} point(s) as Kubernetes Indexed "
               "Job(s).\n# Written by kiln; apply with kubectl apply -f this file. Pod i runs point i of its task "
@@ -190,24 +200,24 @@ def _render_kubernetes(sweep: Sweep, todo: list[Point], fps: dict[int, str], sub
                       "kubernetes --build-dir <PVC>/build")
 
 
-def wait_slurm(sweep: Sweep, layout: Layout, fps: dict[int, str], console: Console) -> None:
+def wait_slurm(sweep: Sweep, layout: Layout, ids: dict[int, PointId], console: Console) -> None:
     """Show progress (squeue, and the records the tasks write) until no point of the sweep is queued or running."""
     state = sweep_dir(layout.build_root, sweep.name)
-    wanted = set(fps.values())
+    wanted = {i.key for i in ids.values()}
     last = ""
     while True:
         slots = latest_slots(state)
         states = slurm.queue_states()
         counts: collections.Counter[str] = collections.Counter()
         in_flight = 0
-        for fp in wanted:
-            slot = slots.get(fp)
+        for key in wanted:
+            slot = slots.get(key)
             now = slurm.slot_state(states, slot) if slot is not None else None
             if now is not None:
                 counts[now.lower()] += 1
                 in_flight += 1
                 continue
-            record = read_json(record_path(state, fp))
+            record = read_json(record_path(state, key))
             counts[record.get("status", "?") if record else "ended" if slot else "not submitted"] += 1
         line = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
         if line != last:
@@ -219,15 +229,15 @@ def wait_slurm(sweep: Sweep, layout: Layout, fps: dict[int, str], console: Conso
 
 
 def collect_sweep(sweep: Sweep, layout: Layout, *, wait: bool, console: Console,
-                  fps: Optional[dict[int, str]] = None) -> list[dict]:
+                  ids: Optional[dict[int, PointId]] = None) -> list[dict]:
     """Gather every point's result into results.jsonl/csv/md and the plots; with `wait` (Slurm), wait first."""
-    fps = fps or fingerprints(sweep, layout)
+    ids = ids or point_ids(sweep, layout)
     state = sweep_dir(layout.build_root, sweep.name)
     if wait and sweep.spec.executor == "slurm":
-        wait_slurm(sweep, layout, fps, console)
+        wait_slurm(sweep, layout, ids, console)
     if sweep.spec.executor == "slurm":
         slots = latest_slots(state)
-        task_state = _states(sweep, slots, set(fps.values()))
+        task_state = _states(sweep, slots, {i.key for i in ids.values()})
         ended = slurm.ended_without_result
     elif sweep.spec.executor == "kubernetes":
         def task_state(slot: Slot) -> Optional[str]:
@@ -240,7 +250,7 @@ def collect_sweep(sweep: Sweep, layout: Layout, *, wait: bool, console: Console,
     else:
         raise InputError("kiln sweep collect gathers what a cluster ran: give --executor slurm or kubernetes "
                          "(a local sweep writes its results as it runs)")
-    records = collect_records(sweep.points, fps, state, task_state, ended)
+    records = collect_records(sweep.points, ids, state, task_state, ended)
     state.mkdir(parents=True, exist_ok=True)
     write_results(records, state)
     console.print(f"collected {sweep.name}: {summarize(records)}")

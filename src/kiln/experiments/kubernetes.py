@@ -144,6 +144,11 @@ def write_manifest(path: Path, objects: list[dict[str, Any]], header: str) -> li
         def ignore_aliases(self, data: Any) -> bool:
             return True
 
+    def _text(dumper: yaml.SafeDumper, data: str) -> yaml.Node:  # the task files as readable blocks
+        return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|" if "\n" in data else None)
+
+    _Dumper.add_representer(str, _text)
+
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(header + yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, width=120))
     return validate_manifests([path])

@@ -105,16 +105,19 @@ def submit(script: Path) -> str:
 
 
 def queue_states() -> dict[tuple[str, int], str]:
-    """(array job id, task index) → state, for every array task of yours still in the queue (squeue)."""
-    proc = subprocess.run([_need("squeue"), "--me", "-h", "-r", "-o", "%i|%T"], capture_output=True, text=True)
+    """(array job id, task index) → state, for every array task of yours still in the queue (squeue); a pending
+    task's state names why it waits, e.g. ``PENDING (Resources)``."""
+    proc = subprocess.run([_need("squeue"), "--me", "-h", "-r", "-o", "%i|%T|%r"], capture_output=True, text=True)
     if proc.returncode != 0:
         raise KilnError(f"squeue failed: {(proc.stderr or proc.stdout).strip()}")
     states: dict[tuple[str, int], str] = {}
     for line in proc.stdout.splitlines():
-        job, _, state = line.strip().partition("|")
+        job, _, rest = line.strip().partition("|")
+        state, _, reason = rest.partition("|")
         array_id, sep, index = job.partition("_")
         if sep and index.isdigit():
-            states[(array_id, int(index))] = state
+            waiting = state == "PENDING" and reason not in ("", "None", "(null)")
+            states[(array_id, int(index))] = f"{state} ({reason})" if waiting else state
     return states
 
 

@@ -285,6 +285,14 @@ def point_fingerprint(loaded: LoadedRecipe, layout: Layout, spec: SweepFile) -> 
     return digest({p.spec.name: p.fingerprint for p in steps if p.action != Action.OUTSIDE})
 
 
+def point_key(loaded: LoadedRecipe, fingerprint: str) -> str:
+    """A point's identity when resuming a sweep: its steps' fingerprint and its whole resolved recipe. Keys no step
+    output depends on (a quality gate) still decide whether the point passes, so they are part of it."""
+    from kiln.recipe.render import recipe_yaml
+
+    return digest({"steps": fingerprint, "recipe": recipe_yaml(loaded.recipe)})
+
+
 def run_point(point: Point, loaded: LoadedRecipe, layout: Layout, spec: SweepFile, progress: bool) -> dict:
     """Run one point's pipeline and measures; never raises (failures are recorded)."""
     to_step = last_step(spec)
@@ -292,6 +300,7 @@ def run_point(point: Point, loaded: LoadedRecipe, layout: Layout, spec: SweepFil
                               "recipe": loaded.recipe.name, "status": "ok"}
     try:
         record["fingerprint"] = point_fingerprint(loaded, layout, spec)
+        record["key"] = point_key(loaded, record["fingerprint"])
         summary = run(loaded, layout, to_step=to_step, console=Console(stderr=True, quiet=not progress),
                       progress=progress)
         record["steps"] = {o.name: o.status.value for o in summary.outcomes}

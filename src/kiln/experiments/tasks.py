@@ -2,17 +2,19 @@
 
 Files under the sweep's directory, ``<build>/sweeps/<name>/``::
 
-    records/<fingerprint>.json    one per point that ran on a cluster: its result record (status ok or failed,
+    records/<key>.json            one per point that ran on a cluster: its result record (status ok or failed,
                                   a failed one with its log's tail), written by the task that ran it
     submissions/<id>/             one per submission: task-<g>.json (the points of array/Job g, each with its
                                   fully resolved recipe, so a later edit of the sweep changes no queued task),
                                   the sbatch script or Kubernetes manifest, submission.json (job ids), logs/
     results.jsonl|csv|md, *.png   the collected table (as for a local sweep)
 
-A point's key is its fingerprint: one hash over the fingerprints of every step it runs
-(:func:`kiln.experiments.sweep.point_fingerprint`). A point is *done* when a record with status ok exists for
-its fingerprint (or a local run left one in results.jsonl); re-running a finished sweep submits nothing, and
-adding an axis value submits only the points whose fingerprints have no result yet.
+A point's *fingerprint* is one hash over the fingerprints of every step it runs
+(:func:`kiln.experiments.sweep.point_fingerprint`): equal fingerprints, equal outputs. Its *key* adds its whole
+resolved recipe (:func:`~kiln.experiments.sweep.point_key`: a quality gate changes no output but decides whether
+the point passes). A point is *done* when a record with status ok exists for its key (or a local run left one
+in results.jsonl); re-running a finished sweep submits nothing, and adding an axis value submits only the
+points that have no result yet.
 
 **The shared cache and locks.** The array tasks share one build directory on shared storage. The design does
 not rely on file locks working across nodes (flock over NFS, Lustre or GPFS depends on the mount):
@@ -69,6 +71,7 @@ class TaskPoint(BaseModel):
     overrides: dict[str, Any]
     recipe: str
     fingerprint: str
+    key: str
     gpus: int
     recipe_yaml: str
     """The point's fully resolved recipe (every default filled in, no `extends`)."""
@@ -110,8 +113,8 @@ def sweep_dir(build_root: Path, name: str) -> Path:
     return build_root / "sweeps" / name
 
 
-def record_path(state: Path, fingerprint: str) -> Path:
-    return state / "records" / f"{fingerprint}.json"
+def record_path(state: Path, key: str) -> Path:
+    return state / "records" / f"{key}.json"
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -150,6 +153,14 @@ def log_tail(path: Optional[Path]) -> Optional[str]:
 
 
 @dataclass(frozen=True)
+class PointId:
+    fingerprint: str
+    """Its steps' fingerprints in one hash: equal fingerprints, equal outputs."""
+    key: str
+    """The fingerprint and the whole resolved recipe: what a finished result is found by."""
+
+
+@dataclass(frozen=True)
 class Slot:
     """Where a point was last submitted: submission id, array/Job group, task index (and the job's id)."""
 
@@ -173,7 +184,7 @@ def submission_info(sub_dir: Path) -> dict:
 
 
 def latest_slots(state: Path) -> dict[str, Slot]:
-    """fingerprint → the slot of its latest submission, from the task files under submissions/."""
+    """point key → the slot of its latest submission, from the task files under submissions/."""
     slots: dict[str, Slot] = {}
     root = state / "submissions"
     if not root.is_dir():
@@ -187,7 +198,7 @@ def latest_slots(state: Path) -> dict[str, Slot]:
                 continue
             job_id = jobs.get(task.group)
             for index, tp in enumerate(task.points):
-                slots[tp.fingerprint] = Slot(sub_dir.name, task.group, index, task.executor, job_id,
+                slots[tp.key] = Slot(sub_dir.name, task.group, index, task.executor, job_id,
                                              task_log_path(sub_dir, task, index, job_id))
     return slots
 
@@ -239,7 +250,7 @@ def run_task(task_path: Path, index: Optional[int], out: Callable[[bytes], None]
         write_json_atomic(own_copy, task.model_dump(mode="json"))
     log = task_log_path(sub_dir, task, index, None) if task.write_log else None
     attempt = uuid.uuid4().hex[:12]
-    result = state / "records" / f".{tp.fingerprint}.{attempt}.result.json"
+    result = state / "records" / f".{tp.key}.{attempt}.result.json"
     result.parent.mkdir(parents=True, exist_ok=True)
     tail: collections.deque[bytes] = collections.deque(maxlen=LOG_TAIL_LINES)
     log_fh = None
@@ -249,7 +260,8 @@ def run_task(task_path: Path, index: Optional[int], out: Callable[[bytes], None]
     try:
         child = subprocess.Popen([sys.executable, "-m", "kiln", "sweep", "task", str(task_path), "--index",
                                   str(index), "--inline", str(result)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         assert child.stdout is not None
         for line in child.stdout:
             out(line)
@@ -264,14 +276,14 @@ def run_task(task_path: Path, index: Optional[int], out: Callable[[bytes], None]
     record = read_json(result)
     if record is None:
         record = {"point": tp.point, "label": tp.label, "overrides": tp.overrides, "recipe": tp.recipe,
-                  "fingerprint": tp.fingerprint, "status": "failed",
+                  "fingerprint": tp.fingerprint, "key": tp.key, "status": "failed",
                   "error": f"the point's process ended with exit code {code} before writing its result"}
     record["task"] = _task_identity(task, index)
     if log is not None:
         record["task"]["log"] = str(log)
     if record.get("status") != "ok":
         record["log_tail"] = b"".join(tail).decode("utf-8", "replace")[-LOG_TAIL_CHARS:]
-    write_json_atomic(record_path(state, tp.fingerprint), record)
+    write_json_atomic(record_path(state, tp.key), record)
     result.unlink(missing_ok=True)
     return 0 if record.get("status") == "ok" else 1
 
@@ -318,7 +330,7 @@ PENDING, RUNNING, NO_RESULT, NOT_SUBMITTED = "pending", "running", "no result", 
 
 
 def done_records(state: Path) -> dict[str, dict]:
-    """fingerprint → a finished (ok) record: the records/ a cluster's tasks wrote, and a local run's results."""
+    """point key → a finished (ok) record: the records/ a cluster's tasks wrote, and a local run's results."""
     done: dict[str, dict] = {}
     results = state / "results.jsonl"
     if results.is_file():
@@ -327,8 +339,8 @@ def done_records(state: Path) -> dict[str, dict]:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(rec, dict) and rec.get("status") == "ok" and rec.get("fingerprint"):
-                done[rec["fingerprint"]] = rec
+            if isinstance(rec, dict) and rec.get("status") == "ok" and rec.get("key"):
+                done[rec["key"]] = rec
     records = state / "records"
     if records.is_dir():
         for path in records.glob("*.json"):
@@ -347,7 +359,7 @@ def is_done(record: Optional[dict], bench: Optional[dict]) -> bool:
     return bench is None or (bool(record.get("bench")) and record.get("bench_settings") == bench)
 
 
-def collect_records(points: list, fingerprints: dict[int, str], state: Path,
+def collect_records(points: list, ids: dict[int, "PointId"], state: Path,
                     task_state: Callable[[Slot], Optional[str]], ended_without_result: Callable[[Slot], str]) -> list[dict]:
     """The sweep's table: one record per point — what its latest task is doing if it is queued or running,
     else the record its task wrote (or a local run's), else what is known of a task that ended without one.
@@ -358,17 +370,18 @@ def collect_records(points: list, fingerprints: dict[int, str], state: Path,
     done = done_records(state)
     out = []
     for p in points:
-        fp = fingerprints[p.index]
-        base = {"point": p.index, "label": p.label, "overrides": p.overrides, "fingerprint": fp}
-        slot = slots.get(fp)
+        key = ids[p.index].key
+        base = {"point": p.index, "label": p.label, "overrides": p.overrides,
+                "fingerprint": ids[p.index].fingerprint, "key": key}
+        slot = slots.get(key)
         where = None if slot is None else {"submission": slot.submission, "group": slot.group, "index": slot.index,
                                            "job_id": slot.job_id, "log": str(slot.log) if slot.log else None}
         now = task_state(slot) if slot is not None else None
         if now is not None:
-            out.append({**base, "status": RUNNING if now.upper() in ("RUNNING", "COMPLETING") else PENDING,
+            out.append({**base, "status": RUNNING if now.upper().startswith(("RUNNING", "COMPLETING")) else PENDING,
                         "scheduler_state": now, "task": where})
             continue
-        record = read_json(record_path(state, fp)) or done.get(fp)
+        record = read_json(record_path(state, key)) or done.get(key)
         if record is not None and (slot is None or record.get("status") == "ok"
                                    or (record.get("task") or {}).get("submission") == slot.submission):
             merged = {**record, **base}
