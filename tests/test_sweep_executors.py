@@ -234,3 +234,18 @@ def test_a_task_takes_its_index_from_the_option_or_the_schedulers_variable(kiln,
     monkeypatch.setenv("JOB_COMPLETION_INDEX", "3")
     result = kiln("sweep", "task", path)
     assert result.exit_code == 2 and "--index 3" in result.output
+
+
+def test_a_point_is_found_by_its_steps_fingerprint_and_its_whole_recipe(tmp_path):
+    """Two points whose outputs are the same (only a quality gate differs) share a fingerprint (so the runner
+    hard-links one's steps for the other) but not a key: one may pass where the other fails."""
+    from kiln.experiments.cluster import point_ids
+    from kiln.experiments.sweep import load_sweep
+    from kiln.pipeline.runner import Layout
+
+    path = sweep_file(tmp_path, set={"target": "reference", "quantization.format": "fp8"},
+                      points=[{}, {"evaluation.max_kl": 1e-12}, {"quantization.format": "int8_sq"}])
+    layout = Layout(tmp_path / "build", tmp_path / "repo")
+    ids = point_ids(load_sweep(path, layout), layout)
+    assert ids[0].fingerprint == ids[1].fingerprint != ids[2].fingerprint
+    assert len({i.key for i in ids.values()}) == 3

@@ -42,7 +42,9 @@ def sweep_options(fn):
 @cli.group(cls=_RunByDefault)
 def sweep() -> None:
     """Run a recipe matrix (SWEEP_FILE: base recipe + axes) here, on Slurm or on Kubernetes, and compare the
-    points in one table (build/sweeps/<name>/results.{jsonl,csv,md} and plots)."""
+    points in one table (build/sweeps/<name>/results.{jsonl,csv,md} and plots).
+
+    `kiln sweep SWEEP_FILE …` is short for `kiln sweep run SWEEP_FILE …`."""
 
 
 @sweep.command(name="run")
@@ -58,8 +60,8 @@ def sweep() -> None:
 @handle_errors
 def run_cmd(sweep_file: Path, overrides: tuple[str, ...], executor: Optional[str], jobs: int, dry_run: bool,
             no_wait: bool, quiet: bool, build_dir: Path, repo_dir: Path) -> None:
-    """Run SWEEP_FILE's points: here (local), as a Slurm job array, or as a Kubernetes Indexed Job. Points
-    whose results exist are not run again."""
+    """Run SWEEP_FILE's points: here (local; cached steps are skipped), as a Slurm job array, or as a
+    Kubernetes Indexed Job (points that already have a result are not submitted again)."""
     from kiln.experiments.sweep import check_failures, load_sweep, render_table, run_sweep
     from kiln.pipeline.runner import Layout
     from kiln.util.errors import InputError
