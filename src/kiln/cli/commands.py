@@ -197,31 +197,3 @@ def lint(repo: Path, as_json: bool) -> None:
         out.print(f"{repo}: {len(errors)} error(s), {len(findings) - len(errors)} warning(s)", markup=False)
     if errors:
         sys.exit(1)
-
-
-@cli.command()
-@click.argument("sweep_file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.option("--jobs", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="Points whose CPU steps run in parallel processes.")
-@click.option("--dry-run", is_flag=True, help="Validate every point and list them; run nothing.")
-@click.option("--quiet", is_flag=True, help="No progress bars.")
-@layout_options
-@handle_errors
-def sweep(sweep_file: Path, jobs: int, dry_run: bool, quiet: bool, build_dir: Path, repo_dir: Path) -> None:
-    """Run a recipe matrix (SWEEP_FILE: base recipe + axes) and print one comparison table."""
-    from kiln.experiments.sweep import check_failures, load_sweep, render_table, run_sweep
-    from kiln.pipeline.runner import Layout
-
-    layout = Layout(build_dir, repo_dir)
-    s = load_sweep(sweep_file, layout)
-    if dry_run:
-        for p in s.points:
-            out.print(f"point {p.index}: {p.label}  → {s.loaded[p.index].recipe.name}", markup=False)
-        return
-    records = run_sweep(s, layout, jobs=jobs, console=err, progress=not quiet)
-    render_table(records, out)
-    out.print(f"results: {build_dir / 'sweeps' / s.name}/results.{{jsonl,csv,md}}", markup=False)
-    failure = check_failures(records)
-    if failure is not None:
-        err.print(f"error: {failure}", style="red", markup=False)
-        sys.exit(1)

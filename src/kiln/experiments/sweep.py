@@ -4,10 +4,15 @@ A sweep names a base recipe and axes of `--set`-style overrides (or an explicit 
 validated before any runs; each runs through the normal pipeline, so cached steps are shared (points that differ
 only in keys a step ignores reuse its output). Results: `build/sweeps/<name>/results.jsonl`, `results.csv`,
 `results.md`, and PNG plots.
+
+Where the points run is the sweep's `executor` (:mod:`kiln.experiments.executors`): here (`local`), as a Slurm
+job array (:mod:`kiln.experiments.slurm`) or a Kubernetes Indexed Job (:mod:`kiln.experiments.kubernetes`); the
+cluster executors share :mod:`kiln.experiments.tasks` (one task = one point, its result file, collecting).
 """
 
 from __future__ import annotations
 
+import copy
 import csv
 import hashlib
 import io
@@ -24,11 +29,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from rich.console import Console
 
+from kiln.experiments.executors import Executor, KubernetesSettings, SlurmSettings, needs_gpu
 from kiln.pipeline.fingerprint import digest
 from kiln.pipeline.runner import Action, Layout, run, schedule
 from kiln.steps.evaluate import EvaluateResult
 from kiln.recipe.errors import Origin, Problem, RecipeError
-from kiln.recipe.loader import LoadedRecipe, load_recipe, read_yaml
+from kiln.recipe.loader import LoadedRecipe, load_recipe, parse_override, read_yaml
 from kiln.util.errors import KilnError
 
 Measure = Literal["quality", "plan", "bench"]
@@ -70,6 +76,12 @@ class SweepFile(BaseModel):
     """GPU to plan for (default: each point's hardware.gpu; points without one get no plan)."""
     bench: BenchSettings = BenchSettings()
     """Benchmark settings, when measure includes bench."""
+    executor: Executor = "local"
+    """Where points run: `local` (here), `slurm` (a job array) or `kubernetes` (an Indexed Job)."""
+    slurm: SlurmSettings = SlurmSettings()
+    """Slurm settings, for `executor: slurm`."""
+    kubernetes: KubernetesSettings = KubernetesSettings()
+    """Kubernetes settings, for `executor: kubernetes`."""
 
     @model_validator(mode="after")
     def _something(self) -> "SweepFile":
@@ -129,9 +141,49 @@ def expand(spec: SweepFile) -> list[Point]:
     return out
 
 
-def load_sweep(path: Path, layout: Layout) -> Sweep:
-    """Read and validate a sweep and every one of its points, before any work. Raises RecipeError (all at once)."""
+# Sweep keys whose own keys are dotted recipe keys: `--set set.evaluation.samples=4` sets the one key
+# "evaluation.samples" under `set`, rather than a nested mapping.
+_DOTTED_KEY_SECTIONS = ("set", "axes")
+
+
+def apply_sweep_overrides(data: dict, origins: dict, overrides: tuple[str, ...]) -> dict:
+    """`--set` on a sweep file: `slurm.partition=gpu`, `measure=[quality]`, `set.evaluation.samples=4`,
+    `axes.quantization.format=[fp8, int8_sq]`. Values are YAML; each key's origin becomes its --set."""
+    problems: list[Problem] = []
+    data = copy.deepcopy(data) if data else {}
+    for item in overrides:
+        try:
+            path, value = parse_override(item)
+        except RecipeError as exc:
+            problems.extend(exc.problems)
+            continue
+        raw = item.partition("=")[2].strip()
+        if isinstance(value, int) and ":" in raw:
+            value = raw  # YAML 1.1 reads 2:00:00 as the number 7200; a time limit means the text
+        if path[0] in _DOTTED_KEY_SECTIONS and len(path) > 1:
+            path = (path[0], ".".join(path[1:]))
+        node = data
+        for part in path[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[path[-1]] = value
+        origins[path] = Origin(f"--set {'.'.join(path)}")
+    if problems:
+        raise RecipeError(problems)
+    return data
+
+
+def load_sweep(path: Path, layout: Layout, overrides: tuple[str, ...] = (), executor: Optional[str] = None) -> Sweep:
+    """Read and validate a sweep and every one of its points, before any work. Raises RecipeError (all at once).
+
+    `overrides` are `--set` items on the sweep file (they beat the file); `executor` (the `--executor` option)
+    beats both."""
     data, origins = read_yaml(path)
+    data = apply_sweep_overrides(data, origins, tuple(overrides))
+    if executor is not None:
+        data["executor"] = executor
+        origins[("executor",)] = Origin("--executor")
     try:
         spec = SweepFile.model_validate(data)
     except ValidationError as exc:
@@ -162,9 +214,33 @@ def load_sweep(path: Path, layout: Layout) -> Sweep:
                 origin = origins.get(("axes", key)) or origins.get(("set", key)) or origins.get(("points",)) or p.origin
                 problems.append(Problem(p.severity, key, f"point {point.index} ({point.label}): {p.message}",
                                         origin, p.hint))
+    problems += _executor_problems(sweep, origins, Origin(str(path)))
     if problems:
         raise RecipeError(problems)
     return sweep
+
+
+def _executor_problems(sweep: Sweep, origins: dict, file_origin: Origin) -> list[Problem]:
+    """What a cluster executor needs that a local run does not."""
+    spec = sweep.spec
+    if spec.executor == "local":
+        return []
+    where = origins.get(("executor",), file_origin)
+    problems = []
+    for point in sweep.points:
+        loaded = sweep.loaded.get(point.index)
+        if loaded is not None and needs_gpu(loaded) and not loaded.recipe.hardware.gpu:
+            problems.append(Problem(
+                "error", "hardware.gpu",
+                f"point {point.index} ({point.label}): executor {spec.executor} needs the GPU each point runs on: "
+                "the submitting host is not the one that builds it, so kiln cannot detect it (and the engine's "
+                "fingerprint covers it)", origins.get(("set", "hardware.gpu"), where),
+                "declare it in the sweep's set: (e.g. hardware.gpu: H100-SXM), as an axis, or in the base recipe"))
+    if spec.executor == "kubernetes" and not spec.kubernetes.image:
+        problems.append(Problem("error", "kubernetes.image", "executor kubernetes needs the image the pods run",
+                                origins.get(("kubernetes",), where),
+                                "set kubernetes.image to an image holding kiln (e.g. --set kubernetes.image=…)"))
+    return problems
 
 
 def _plan_figures(loaded: LoadedRecipe, gpu_name: Optional[str]) -> Optional[dict]:
@@ -197,14 +273,34 @@ def _checkpoint_bytes(loaded: LoadedRecipe, layout: Layout) -> Optional[int]:
     return sum(f.stat().st_size for f in files) if files else None
 
 
+def last_step(spec: SweepFile) -> str:
+    """The last pipeline step a point needs for the sweep's measures."""
+    return "package" if "bench" in spec.measure else "evaluate"
+
+
+def point_fingerprint(loaded: LoadedRecipe, layout: Layout, spec: SweepFile) -> str:
+    """One hash over the fingerprints of every step a point runs: equal fingerprints, equal results.
+    Cheap (no model loading); raises KilnError where a step's inputs cannot be hashed."""
+    steps = schedule(loaded, layout, to_step=last_step(spec))
+    return digest({p.spec.name: p.fingerprint for p in steps if p.action != Action.OUTSIDE})
+
+
+def point_key(loaded: LoadedRecipe, fingerprint: str) -> str:
+    """A point's identity when resuming a sweep: its steps' fingerprint and its whole resolved recipe. Keys no step
+    output depends on (a quality gate) still decide whether the point passes, so they are part of it."""
+    from kiln.recipe.render import recipe_yaml
+
+    return digest({"steps": fingerprint, "recipe": recipe_yaml(loaded.recipe)})
+
+
 def run_point(point: Point, loaded: LoadedRecipe, layout: Layout, spec: SweepFile, progress: bool) -> dict:
     """Run one point's pipeline and measures; never raises (failures are recorded)."""
-    to_step = "package" if "bench" in spec.measure else "evaluate"
+    to_step = last_step(spec)
     record: dict[str, Any] = {"point": point.index, "label": point.label, "overrides": point.overrides,
                               "recipe": loaded.recipe.name, "status": "ok"}
     try:
-        steps = schedule(loaded, layout, to_step=to_step)
-        record["fingerprint"] = digest({p.spec.name: p.fingerprint for p in steps if p.action != Action.OUTSIDE})
+        record["fingerprint"] = point_fingerprint(loaded, layout, spec)
+        record["key"] = point_key(loaded, record["fingerprint"])
         summary = run(loaded, layout, to_step=to_step, console=Console(stderr=True, quiet=not progress),
                       progress=progress)
         record["steps"] = {o.name: o.status.value for o in summary.outcomes}
@@ -223,7 +319,7 @@ def run_point(point: Point, loaded: LoadedRecipe, layout: Layout, spec: SweepFil
     return record
 
 
-def _bench_point(record: dict, loaded: LoadedRecipe, layout: Layout, spec: SweepFile) -> None:
+def bench_point(record: dict, loaded: LoadedRecipe, layout: Layout, spec: SweepFile) -> None:
     from kiln.serve.bench import BenchConfig, run_bench
     from kiln.serve.server import ServerConfig, TritonServer, free_port
 
@@ -268,7 +364,7 @@ def run_sweep(sweep: Sweep, layout: Layout, jobs: int = 1, console: Optional[Con
             if old and old.get("bench") and old.get("bench_settings") == sweep.spec.bench.model_dump(mode="json"):
                 rec["bench"] = old["bench"]
             elif rec["status"] == "ok":
-                _bench_point(rec, sweep.loaded[p.index], layout, sweep.spec)
+                bench_point(rec, sweep.loaded[p.index], layout, sweep.spec)
             rec["bench_settings"] = sweep.spec.bench.model_dump(mode="json")
     ordered = [records[p.index] for p in sweep.points]
     write_results(ordered, out_dir)
@@ -358,7 +454,7 @@ def _plots(records: list[dict], rows: list[dict], out_dir: Path) -> None:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in benched:
             levels = r["bench"].get("levels", [])
-            xs = [lv.get("e2e_ms", {}).get("p50") for lv in levels]
+            xs = [lv.get("e2e_p50_ms") for lv in levels]
             ys = [lv.get("output_tokens_per_s") for lv in levels]
             ax.plot(xs, ys, marker="o", label=r["label"])
         ax.set_xlabel("end-to-end latency p50 (ms)")

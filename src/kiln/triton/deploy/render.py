@@ -243,7 +243,9 @@ def _env(info: DeployInfo, *, hub_token: bool = True) -> list[dict[str, Any]]:
     return env
 
 
-def _container_security() -> dict[str, Any]:
+def container_security_context() -> dict[str, Any]:
+    """Every kiln container's securityContext: non-root uid/gid 1000, no privilege escalation, no capabilities
+    (also used by `kiln sweep --executor kubernetes`)."""
     return {
         "runAsNonRoot": True,
         "runAsUser": RUN_AS_UID,
@@ -305,18 +307,24 @@ def _base_mounts() -> list[dict[str, Any]]:
     ]
 
 
+def pod_security_context() -> dict[str, Any]:
+    """Every kiln pod's securityContext: non-root uid/gid 1000 (the serving images' user), volumes owned by its
+    group, the runtime's default seccomp profile (also used by `kiln sweep --executor kubernetes`)."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_UID,
+        "runAsGroup": RUN_AS_UID,
+        "fsGroup": RUN_AS_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
 def _pod_spec(info: DeployInfo, container: dict[str, Any], volumes: list[dict[str, Any]]) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 60,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_UID,
-            "runAsGroup": RUN_AS_UID,
-            "fsGroup": RUN_AS_UID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security_context(),
         "containers": [container],
         "volumes": volumes,
     }
@@ -335,7 +343,7 @@ def _server_container(info: DeployInfo, command: list[str], mounts: list[dict[st
         "resources": _resources(info),
         **_http_probes(info),
         "volumeMounts": mounts,
-        "securityContext": _container_security(),
+        "securityContext": container_security_context(),
     }
 
 
@@ -474,7 +482,7 @@ def _leaderworkerset(info: DeployInfo) -> list[dict[str, Any]]:
         # Worker pods serve no HTTP (ranks above 0 open no endpoints): their probes watch sshd.
         **_tcp_probes("ssh"),
         "volumeMounts": mounts,
-        "securityContext": _container_security(),
+        "securityContext": container_security_context(),
     }
     lws = {
         "apiVersion": LWS_API_VERSION,

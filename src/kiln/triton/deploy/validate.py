@@ -175,8 +175,9 @@ def _pod_templates(doc: dict[str, Any], where: str) -> list[tuple[str, Any]]:
     return []
 
 
-def _check_pod(template: Any, where: str) -> list[str]:
-    """kiln's policy for a pod: probes, non-root, no privilege escalation, no secret values inline."""
+def _check_pod(template: Any, where: str, *, probes: bool = True) -> list[str]:
+    """kiln's policy for a pod: probes (for pods that serve; a Job's pods run to completion), non-root, no
+    privilege escalation, no secret values inline."""
     spec = template.get("spec") if isinstance(template, dict) else None
     if not isinstance(spec, dict):
         return [f"{where}: spec: missing"]
@@ -190,7 +191,7 @@ def _check_pod(template: Any, where: str) -> list[str]:
         if not isinstance(c, dict):
             continue
         at = f"{where}: container {c.get('name', '?')!r}"
-        for probe in ("readinessProbe", "livenessProbe"):
+        for probe in ("readinessProbe", "livenessProbe") if probes else ():
             if probe not in c:
                 problems.append(f"{at}: no {probe}")
         security = c.get("securityContext") or {}
@@ -238,7 +239,7 @@ def validate_manifests(paths: Sequence[Path], *, kubernetes_versions: Sequence[s
     ``kubernetes_versions`` (default :func:`default_kubernetes_versions`). A LeaderWorkerSet, for which it has
     no schema, gets kiln's field checks and strict validation of its pod templates as core ``PodTemplate``
     objects. Every object's name must be a DNS-1123 label, and every pod must follow kiln's policy (readiness
-    and liveness probes, non-root, no privilege escalation, all capabilities dropped, no secret values inline,
+    and liveness probes except in a Job's pods, which run to completion; non-root, no privilege escalation, all capabilities dropped, no secret values inline,
     ``/dev/shm`` in memory). Each problem names the file, the object and the field.
     """
     versions = tuple(kubernetes_versions) if kubernetes_versions else default_kubernetes_versions()
@@ -265,5 +266,5 @@ def validate_manifests(paths: Sequence[Path], *, kubernetes_versions: Sequence[s
                 problems += _validate_core(doc, where, versions)
             problems += _check_names(doc, where)
             for pod_where, template in _pod_templates(doc, where):
-                problems += _check_pod(template, pod_where)
+                problems += _check_pod(template, pod_where, probes=doc["kind"] != "Job")
     return problems
