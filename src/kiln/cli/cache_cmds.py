@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import json
+import typing
 from typing import Optional
 
 import click
 
 from kiln.cli.commands import cache_option, cache_overrides, layout_options
 from kiln.cli.main import cli, err, handle_errors, load, out, set_option
-from kiln.pipeline.registry import STEP_ORDER
+from kiln.recipe.schema import ShareableStep
 from kiln.util.errors import InputError
 
-SHAREABLE = click.Choice([s for s in STEP_ORDER if s != "package"])
+SHAREABLE = click.Choice(list(typing.get_args(ShareableStep)))
 
 
 def _remote(recipe: Optional[str], overrides, cache: Optional[str], quiet: bool = False):

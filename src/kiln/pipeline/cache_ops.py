@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import typing
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Optional
@@ -11,8 +12,9 @@ from typing import Optional
 from kiln.cache import artifact
 from kiln.cache.errors import BadArtifact
 from kiln.pipeline.remote import RemoteCache, tag_for
-from kiln.pipeline.runner import Action, Layout, _lock, _manifest, read_manifest, schedule
+from kiln.pipeline.runner import Action, Layout, _lock, _manifest, read_manifest, schedule, sweep_recipe_leftovers
 from kiln.recipe.loader import LoadedRecipe
+from kiln.recipe.schema import ShareableStep
 from kiln.util.artifacts import atomic_dir, write_manifest
 from kiln.util.errors import InputError, KilnError
 
@@ -58,11 +60,11 @@ def list_entries(remote: RemoteCache, loaded: Optional[LoadedRecipe] = None,
 
 
 def _steps(loaded: LoadedRecipe, steps: tuple[str, ...]) -> tuple[str, ...]:
-    shared = loaded.recipe.cache.share
-    chosen = steps or shared
-    bad = [s for s in chosen if s not in ("resolve", "quantize", "evaluate", "engine")]
+    shareable = typing.get_args(ShareableStep)
+    chosen = steps or loaded.recipe.cache.share
+    bad = [s for s in chosen if s not in shareable]
     if bad:
-        raise InputError(f"--step {bad[0]}: not a step the cache can share (resolve, quantize, evaluate, engine)")
+        raise InputError(f"--step {bad[0]}: not a step the cache can share ({', '.join(shareable)})")
     return tuple(chosen)
 
 
@@ -75,6 +77,7 @@ def pull_outputs(loaded: LoadedRecipe, layout: Layout, remote: RemoteCache, step
     lines, missing = [], []
     lock = _lock(layout.build_dir(loaded.recipe.name), remote.console)
     try:
+        sweep_recipe_leftovers(loaded, layout)  # what an interrupted pull or build left
         for p in schedule(loaded, layout):
             if p.spec.name not in chosen:
                 continue
