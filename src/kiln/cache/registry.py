@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import queue
 import re
-from typing import BinaryIO, Callable, Iterator, Optional
+import threading
+from typing import BinaryIO, Callable, Optional
 from urllib.parse import urljoin
 
 import requests
@@ -27,6 +29,7 @@ from kiln.cache.reference import CREDENTIALS_HINT, CacheRef
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 CHUNK = 1 << 20
+DOWNLOAD_CHUNK = 4 << 20
 TIMEOUT = (10.0, 120.0)  # connect, read (seconds)
 _CHALLENGE_PARAM = re.compile(r'(\w+)="([^"]*)"')
 _ERRNO = re.compile(r"\[Errno -?\d+\] ([^'\")\]]+)")
@@ -243,33 +246,78 @@ class Registry:
                      body=lambda: _Slice(open_body(), size, on_bytes)).close()
 
     def fetch_blob(self, digest: str, size: int, sink: BinaryIO, on_bytes: Optional[Progress] = None) -> None:
-        """Stream a blob into ``sink``, hashing it here: DigestMismatch unless its bytes are ``digest``."""
+        """Stream a blob into ``sink``, hashing it here: DigestMismatch unless its bytes are ``digest``. The socket
+        is read on this thread while another writes and hashes (both release the GIL), so verification costs
+        little throughput."""
         if not digest.startswith("sha256:"):
             raise RegistryError(f"blob {digest}: kiln verifies sha256 digests only")
         r = self.request("GET", f"{self.ref.base}/blobs/{digest}", (200,), "download a blob from", stream=True)
-        h, n = hashlib.sha256(), 0
+        worker = _HashingWriter(sink, on_bytes)
         try:
-            for chunk in _chunks(r):
-                sink.write(chunk)
-                h.update(chunk)
-                n += len(chunk)
-                if on_bytes is not None:
-                    on_bytes(len(chunk))
-                if n > size:
+            for chunk in r.iter_content(DOWNLOAD_CHUNK):
+                worker.put(chunk)
+                if worker.received > size:
                     break
         except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
+            worker.close()
             raise UnreachableError(f"registry {self.ref.host}: download of {digest} broke off: {_reason(exc)}") \
                 from None
         finally:
             r.close()
-        got = "sha256:" + h.hexdigest()
+        n, got = worker.close()
         if n != size or got != digest:
             raise DigestMismatch(f"registry {self.ref.host}: blob {digest} is corrupt ({n} bytes hashing to "
                                  f"{got}, expected {size} bytes)", digest)
 
 
-def _chunks(r: requests.Response) -> Iterator[bytes]:
-    yield from r.iter_content(CHUNK)
+class _HashingWriter:
+    """Writes chunks on one thread and hashes them on another, each fed through a small bounded queue: with the
+    socket read on the caller's thread, receiving, writing and hashing overlap (each releases the GIL)."""
+
+    def __init__(self, sink: BinaryIO, on_bytes: Optional[Progress]):
+        self._sink, self._on = sink, on_bytes
+        self._hash = hashlib.sha256()
+        self._written = 0
+        self._error: Optional[BaseException] = None
+        self.received = 0
+        self._queues = (queue.Queue(maxsize=4), queue.Queue(maxsize=4))
+        self._threads = (threading.Thread(target=self._run, args=(self._queues[0], self._write), daemon=True),
+                         threading.Thread(target=self._run, args=(self._queues[1], self._hash.update), daemon=True))
+        for t in self._threads:
+            t.start()
+
+    def _write(self, chunk: bytes) -> None:
+        self._sink.write(chunk)
+        self._written += len(chunk)
+        if self._on is not None:
+            self._on(len(chunk))
+
+    def _run(self, q: queue.Queue, work: Callable[[bytes], object]) -> None:
+        while True:
+            chunk = q.get()
+            if chunk is None:
+                return
+            if self._error is None:
+                try:
+                    work(chunk)
+                except BaseException as exc:  # re-raised on the caller's thread
+                    self._error = exc
+
+    def put(self, chunk: bytes) -> None:
+        if self._error is not None:
+            raise self._error
+        self.received += len(chunk)
+        for q in self._queues:
+            q.put(chunk)
+
+    def close(self) -> tuple[int, str]:
+        for q in self._queues:
+            q.put(None)
+        for t in self._threads:
+            t.join()
+        if self._error is not None:
+            raise self._error
+        return self._written, "sha256:" + self._hash.hexdigest()
 
 
 def _oci_errors(r: requests.Response) -> str:
