@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import DEFAULT_RECIPE, kiln
+from _common import DEFAULT_RECIPE, kiln, median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from registry_harness import registry_binary, start_registry  # noqa: E402
@@ -122,9 +122,12 @@ def transfer(reg, gb: float, scratch: Path, repeats: int) -> None:
               f"{mb / curl_down:6.0f} MB/s (ratio {curl_down / kiln_down:.2f})")
     best = [min(r[i] for r in rows) for i in range(4)]
     mb = size / 1e6
-    print(f"best of {repeats}: push kiln {mb / best[1]:.0f} MB/s, curl {mb / best[0]:.0f} MB/s → ratio {best[0] / best[1]:.2f} "
+    print(f"best of {repeats}: push kiln {mb / best[1]:.0f} MB/s, curl {mb / best[0]:.0f} MB/s → ratio "
+          f"{best[0] / best[1]:.2f} "
           f"(target ≥ 0.5); pull kiln {mb / best[3]:.0f} MB/s, curl {mb / best[2]:.0f} MB/s → ratio "
           f"{best[2] / best[3]:.2f} (target ≥ 0.5)")
+    print(f"median of the rounds' ratios: push {median([r[0] / r[1] for r in rows]):.2f}, "
+          f"pull {median([r[2] / r[3] for r in rows]):.2f}")
 
 
 def main() -> None:

@@ -208,3 +208,72 @@ def test_build_dry_run_json_on_the_command_line(kiln, write_recipe, monkeypatch)
     data = json.loads(result.output)
     jsonschema.validate(data, reports.json_schema(reports.SCHEDULE_SCHEMA))
     assert [s["name"] for s in data["steps"]] == list(STEP_ORDER) and data["cache"] is None
+
+
+# ------------------------------------------------------------------------------------------ token auth
+@pytest.fixture
+def token_registry():
+    """A stand-in registry with Bearer token auth (named as one: distribution needs an external token service
+    for this), speaking the challenge / token-service protocol real registries (GHCR, Harbor, ECR) use."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from urllib.parse import parse_qs, urlsplit
+
+    seen: list[dict] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _reply(self, code: int, body: dict | None = None, headers: dict | None = None):
+            data = json.dumps(body or {}).encode()
+            self.send_response(code)
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _token(self, form: dict):
+            seen.append(form)
+            basic = "Basic " + base64.b64encode(f"kiln:{SECRET}".encode()).decode()
+            if form.get("grant_type") == ["refresh_token"] and form.get("refresh_token") == [SECRET]:
+                return self._reply(200, {"access_token": "good-token"})
+            if self.headers.get("Authorization") == basic:
+                return self._reply(200, {"token": "good-token"})
+            return self._reply(401, {"errors": [{"code": "UNAUTHORIZED"}]})
+
+        def do_GET(self):
+            url = urlsplit(self.path)
+            if url.path == "/token":
+                return self._token(parse_qs(url.query))
+            if self.headers.get("Authorization") != "Bearer good-token":
+                realm = f"http://127.0.0.1:{self.server.server_port}/token"
+                return self._reply(401, {}, {"WWW-Authenticate": f'Bearer realm="{realm}",service="standin",'
+                                                                 f'scope="repository:c:pull"'})
+            return self._reply(404, {"errors": [{"code": "MANIFEST_UNKNOWN"}]})
+
+        def do_POST(self):
+            length = int(self.headers.get("Content-Length", 0))
+            return self._token(parse_qs(self.rfile.read(length).decode()))
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"oci+http://127.0.0.1:{server.server_port}/c", seen
+    server.shutdown()
+
+
+def test_bearer_token_auth_with_a_password_or_an_identity_token(token_registry):
+    from kiln.cache.errors import AuthError
+    from kiln.cache.registry import Registry
+
+    url, seen = token_registry
+    assert Registry(parse_cache_url(url), Credentials("kiln", SECRET, "test")).get_manifest("x") is None
+    assert seen[-1] == {"service": ["standin"], "scope": ["repository:c:pull"]}
+    token = Credentials("<token>", SECRET, "test", identity_token=True)
+    assert Registry(parse_cache_url(url), token).get_manifest("x") is None
+    assert seen[-1]["grant_type"] == ["refresh_token"] and seen[-1]["scope"] == ["repository:c:pull"]
+    with pytest.raises(AuthError) as exc:
+        Registry(parse_cache_url(url), Credentials("kiln", "wrong", "KILN_REGISTRY_PASSWORD")).get_manifest("x")
+    assert "token service refused credentials for 'kiln' from KILN_REGISTRY_PASSWORD" in str(exc.value)
+    assert "wrong" not in str(exc.value)

@@ -22,8 +22,8 @@ from kiln.recipe.loader import load_recipe
 from kiln.steps.base import StepContext, StepResult, StepSpec
 from kiln.util.artifacts import read_manifest
 
-pytestmark = pytest.mark.skipif(registry_binary() is None,
-                                reason="docker-registry is not installed (apt-get install docker-registry; .ci/run does)")
+pytestmark = pytest.mark.skipif(
+    registry_binary() is None, reason="docker-registry is not installed (apt-get install docker-registry; .ci/run does)")
 
 CALLS: list[str] = []
 
@@ -131,7 +131,8 @@ def test_files_go_as_bounded_layers_and_a_push_skips_layers_the_registry_has(rec
     build(recipe_file, tmp_path / "a")
     loaded = load_recipe(recipe_file)
     remote = RemoteCache.for_recipe(loaded, progress=False, console=Console(file=open(os.devnull, "w")))
-    quantize = next(p for p in runner.schedule(loaded, runner.Layout(tmp_path / "a" / "build")) if p.spec.name == "quantize")
+    layout = runner.Layout(tmp_path / "a" / "build")
+    quantize = next(p for p in runner.schedule(loaded, layout) if p.spec.name == "quantize")
     entry = artifact.read_entry(remote.registry, tag_for("quantize", quantize.fingerprint))
     assert max(p.size for p in entry.parts) <= 1 << 20
     assert len([p for p in entry.parts if p.path == "checkpoint/weights.bin"]) == 3

@@ -202,7 +202,8 @@ class RemoteCache:
                 transfer = artifact.push(self.registry, tag, out_dir, step_manifest, self.section.layer_mb << 20,
                                          self._annotations(p, step_manifest), meter)
         except CacheError as exc:
-            self._fail(exc, f"pushing {name}", "the output built here is kept" if built_here else "nothing changed here")
+            self._fail(exc, f"pushing {name}",
+                       "the output built here is kept" if built_here else "nothing changed here")
             return None
         self.console.print(f"  [cyan]↑[/] {name}: {transfer.describe('pushed')} to {self.ref}", highlight=False)
         return self.ref.tag_ref(tag)

@@ -321,8 +321,9 @@ def run(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_step: Op
                 if p.action == Action.SKIP:
                     outcomes.append(StepOutcome(name, Status.SKIPPED, 0.0, p.out_dir, p.stored, "up to date",
                                                 fingerprint=p.fingerprint, gates=_gates(p, loaded, p.stored)))
-                    pushed = (_push(remote, p, outcomes[-1], built_here=False)
-                              if remote is not None and p.manifest is not None and not p.manifest.get("pulled") else None)
+                    pushed = None
+                    if remote is not None and p.manifest is not None and not p.manifest.get("pulled"):
+                        pushed = _push(remote, p, outcomes[-1], built_here=False)
                     failure = _check(p, loaded, p.stored) or pushed
                 else:
                     outcomes.append(StepOutcome(name, Status.NOT_RUN, out_dir=p.out_dir, message="outside --from/--to"))
