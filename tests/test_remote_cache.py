@@ -270,3 +270,29 @@ def test_an_authenticated_registry_takes_the_usual_credentials_and_never_shows_t
         assert not any(f in blob for f in forms)
     for path in [*tmp_path.rglob("manifest.json"), *reg.storage.rglob("data")]:
         assert not any(f.encode() in path.read_bytes() for f in forms), path
+
+
+def test_cache_ls_push_pull_and_gc_for_people(recipe_file, tmp_path, kiln):
+    from kiln.pipeline.cache_ops import gc_entries, list_entries, pull_outputs, push_outputs
+
+    build(recipe_file, tmp_path / "a", "cache.push=false")
+    loaded = load_recipe(recipe_file)
+    quiet = Console(file=open(os.devnull, "w"))
+    remote = RemoteCache.for_recipe(loaded, required=True, console=quiet, progress=False)
+    layout_a = runner.Layout(tmp_path / "a" / "build", tmp_path / "a" / "repo")
+    assert list_entries(remote) == []
+    assert [line.split(":")[0] for line in push_outputs(loaded, layout_a, remote)] == ["quantize", "engine"]
+    rows = list_entries(remote, loaded, layout_a)
+    assert {(r.step, r.current, r.recipe) for r in rows} == {("quantize", True, "pipe"), ("engine", True, "pipe")}
+    layout_b = runner.Layout(tmp_path / "b" / "build", tmp_path / "b" / "repo")
+    lines = pull_outputs(loaded, layout_b, remote, ("quantize",))
+    assert lines == [f"quantize: pulled into {layout_b.build_root / 'pipe' / 'quantize'}"]
+    assert read_manifest(layout_b.build_root / "pipe" / "quantize", ("out.txt",))["pulled"]
+    with pytest.raises(Exception, match="not in the remote cache: resolve"):
+        pull_outputs(loaded, layout_b, remote, ("resolve",))
+    assert gc_entries(remote, 1.0)[0] == []  # nothing is a day old
+    doomed, note = gc_entries(remote, 0.0, dry_run=True)
+    assert len(doomed) == 2 and len(list_entries(remote)) == 2 and "garbage" in note
+    result = kiln("cache", "gc", "--older-than", "0", "--cache", loaded.recipe.cache.remote)
+    assert result.exit_code == 0 and "2 entries deleted" in result.output
+    assert list_entries(remote) == []
