@@ -87,13 +87,16 @@ class Transfer:
         return self.bytes_moved / 1e6 / self.seconds if self.seconds > 0 else 0.0
 
     def describe(self, verb: str) -> str:
-        text = f"{verb} {self.bytes_moved / 1e6:.1f} MB in {self.layers - self.layers_skipped} layer(s)"
-        if self.seconds > 0 and self.bytes_moved:
-            text += f", {self.seconds:.1f}s ({self.rate_mb_s:.0f} MB/s)"
+        text = f"{verb} {_size(self.bytes_moved)} in {self.layers - self.layers_skipped} layer(s), {self.seconds:.1f}s"
+        if self.bytes_moved >= 1e6 and self.seconds > 0:
+            text += f" ({self.rate_mb_s:.0f} MB/s)"
         if self.layers_skipped:
-            text += (f"; {self.layers_skipped} layer(s), {self.bytes_skipped / 1e6:.1f} MB already in the "
-                     "registry")
+            text += f"; {self.layers_skipped} layer(s), {_size(self.bytes_skipped)} already in the registry"
         return text
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n} bytes"
 
 
 @dataclass

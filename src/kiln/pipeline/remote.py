@@ -149,6 +149,10 @@ class RemoteCache:
             result = self._check(p, entry, loaded)
             with self._meter(name) as meter:
                 transfer = artifact.pull(self.registry, entry, tmp, meter)
+        except OSError as exc:  # writing here failed (disk full, permissions): the step may still build
+            _empty(tmp)
+            self._fail(CacheError(f"writing {tmp}: {exc.strerror or exc}"), f"pulling {name}", "building it here")
+            return None
         except CacheError as exc:
             _empty(tmp)
             if isinstance(exc, DigestMismatch):
@@ -201,6 +205,10 @@ class RemoteCache:
             with self._meter(name) as meter:
                 transfer = artifact.push(self.registry, tag, out_dir, step_manifest, self.section.layer_mb << 20,
                                          self._annotations(p, step_manifest), meter)
+        except OSError as exc:
+            self._fail(CacheError(f"reading {out_dir}: {exc.strerror or exc}"), f"pushing {name}",
+                       "the output here is kept")
+            return None
         except CacheError as exc:
             self._fail(exc, f"pushing {name}",
                        "the output built here is kept" if built_here else "nothing changed here")
