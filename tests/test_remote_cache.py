@@ -22,8 +22,8 @@ from kiln.recipe.loader import load_recipe
 from kiln.steps.base import StepContext, StepResult, StepSpec
 from kiln.util.artifacts import read_manifest
 
-pytestmark = pytest.mark.skipif(
-    registry_binary() is None, reason="docker-registry is not installed (apt-get install docker-registry; .ci/run does)")
+pytestmark = pytest.mark.skipif(registry_binary() is None, reason="docker-registry is not installed "
+                                "(apt-get install docker-registry; .ci/run does)")
 
 CALLS: list[str] = []
 
@@ -107,13 +107,13 @@ def test_a_fresh_runner_pulls_the_shared_steps_instead_of_running_them(recipe_fi
     a = build(recipe_file, tmp_path / "a")
     assert a.failure is None and statuses(a)["quantize"] == "ran"
     pushed = {o.name: o.pushed_to for o in a.outcomes if o.pushed_to}
-    assert set(pushed) == {"quantize", "engine"}  # the default policy: cache.share
+    assert set(pushed) == {"quantize", "evaluate", "engine"}  # the default policy: cache.share
     CALLS.clear()
     b = build(recipe_file, tmp_path / "b")
     assert b.failure is None
-    assert statuses(b) == {"resolve": "ran", "quantize": "pulled", "evaluate": "ran", "engine": "pulled",
+    assert statuses(b) == {"resolve": "ran", "quantize": "pulled", "evaluate": "pulled", "engine": "pulled",
                            "package": "ran"}
-    assert "quantize" not in CALLS and "engine" not in CALLS
+    assert CALLS == ["resolve", "package"]
     src, dst = tmp_path / "a" / "build" / "pipe" / "quantize", tmp_path / "b" / "build" / "pipe" / "quantize"
     for f in ("out.txt", "checkpoint/weights.bin", "checkpoint/empty"):
         assert (dst / f).read_bytes() == (src / f).read_bytes()
@@ -228,14 +228,14 @@ def test_pull_off_pushes_only_and_push_off_pulls_only(recipe_file, tmp_path):
     b = build(recipe_file, tmp_path / "b", "cache.pull=false")
     assert statuses(b)["quantize"] == "ran" and any(o.pushed_to for o in b.outcomes)
     c = build(recipe_file, tmp_path / "c", "cache.share=[quantize]")
-    assert statuses(c)["quantize"] == "pulled" and statuses(c)["engine"] == "ran"
+    assert statuses(c)["quantize"] == "pulled" and statuses(c)["engine"] == "ran" and statuses(c)["evaluate"] == "ran"
 
 
 def test_an_up_to_date_output_the_registry_lacks_is_pushed(recipe_file, tmp_path):
     build(recipe_file, tmp_path / "a", "cache.push=false")
     again = build(recipe_file, tmp_path / "a")
     assert set(statuses(again).values()) == {"skipped"}
-    assert {o.name for o in again.outcomes if o.pushed_to} == {"quantize", "engine"}
+    assert {o.name for o in again.outcomes if o.pushed_to} == {"quantize", "evaluate", "engine"}
     assert json.loads(json.dumps([o.pushed_to for o in again.outcomes]))  # plain strings
 
 
@@ -260,7 +260,7 @@ def test_an_authenticated_registry_takes_the_usual_credentials_and_never_shows_t
         monkeypatch.setenv("KILN_REGISTRY_PASSWORD", secret)
         console, ok_text = recorder()
         a = build(recipe, tmp_path / "a", console=console)
-        assert {o.name for o in a.outcomes if o.pushed_to} == {"quantize", "engine"}
+        assert {o.name for o in a.outcomes if o.pushed_to} == {"quantize", "evaluate", "engine"}
         b = build(recipe, tmp_path / "b", console=console)
         assert statuses(b)["quantize"] == "pulled"
     finally:
@@ -281,9 +281,11 @@ def test_cache_ls_push_pull_and_gc_for_people(recipe_file, tmp_path, kiln):
     remote = RemoteCache.for_recipe(loaded, required=True, console=quiet, progress=False)
     layout_a = runner.Layout(tmp_path / "a" / "build", tmp_path / "a" / "repo")
     assert list_entries(remote) == []
-    assert [line.split(":")[0] for line in push_outputs(loaded, layout_a, remote)] == ["quantize", "engine"]
+    pushed = push_outputs(loaded, layout_a, remote)
+    assert [line.split(":")[0] for line in pushed] == ["quantize", "evaluate", "engine"]
     rows = list_entries(remote, loaded, layout_a)
-    assert {(r.step, r.current, r.recipe) for r in rows} == {("quantize", True, "pipe"), ("engine", True, "pipe")}
+    assert {(r.step, r.current, r.recipe) for r in rows} == {(s, True, "pipe") for s in ("quantize", "evaluate",
+                                                                                         "engine")}
     layout_b = runner.Layout(tmp_path / "b" / "build", tmp_path / "b" / "repo")
     lines = pull_outputs(loaded, layout_b, remote, ("quantize",))
     assert lines == [f"quantize: pulled into {layout_b.build_root / 'pipe' / 'quantize'}"]
@@ -292,7 +294,7 @@ def test_cache_ls_push_pull_and_gc_for_people(recipe_file, tmp_path, kiln):
         pull_outputs(loaded, layout_b, remote, ("resolve",))
     assert gc_entries(remote, 1.0)[0] == []  # nothing is a day old
     doomed, note = gc_entries(remote, 0.0, dry_run=True)
-    assert len(doomed) == 2 and len(list_entries(remote)) == 2 and "garbage" in note
+    assert len(doomed) == 3 and len(list_entries(remote)) == 3 and "garbage" in note
     result = kiln("cache", "gc", "--older-than", "0", "--cache", loaded.recipe.cache.remote)
-    assert result.exit_code == 0 and "2 entries deleted" in result.output
+    assert result.exit_code == 0 and "3 entries deleted" in result.output
     assert list_entries(remote) == []

@@ -36,10 +36,10 @@ FAST = ["--set", "quantization.format=int8_sq", "--set", "quantization.calibrati
         "--set", "quantization.calibration.max_seq_len=64", "--set", "evaluation.samples=4",
         "--set", "evaluation.max_seq_len=64"]
 # What may differ between two builds of one Triton repository: when and where it was built; in kiln.json the
-# evaluation's own timing and the server command, which today names the package step's temporary directory; and
-# so the size of kiln.json that the package manifest records.
+# server command, which today names the package step's temporary directory; and so the size of kiln.json that
+# the package manifest records.
 VOLATILE = {"manifest.json": (("started",), ("seconds",), ("host",), ("files", "kiln.json")),
-            "kiln.json": (("server_command",), ("quality", "seconds"))}
+            "kiln.json": (("server_command",),)}
 SENTINEL = "Sentinel-Passw0rd-4b9e1d"
 
 
@@ -80,7 +80,7 @@ def test_runner_a_builds_pushes_and_reports(runner_a, registry):
     jsonschema.validate(summary, json_schema(SUMMARY_SCHEMA))
     assert set(statuses(summary).values()) == {"ran"}
     pushed = {s["name"]: s["pushed_to"] for s in summary["steps"] if s["pushed_to"]}
-    assert set(pushed) == {"quantize", "engine"}
+    assert set(pushed) == {"quantize", "evaluate", "engine"}
     assert pushed["quantize"] == f"{registry.url()}:quantize-{summary['steps'][1]['fingerprint']}"
     import xml.etree.ElementTree as ET
 
@@ -115,10 +115,12 @@ def test_runner_b_pulls_instead_of_quantizing_and_packages_the_same_repository(r
     b = kiln("build", RECIPE, *FAST, "--cache", registry.url(), "--json", cwd=tmp_path)
     assert b.returncode == 0, b.stderr
     summary = json.loads(b.stdout)
-    assert statuses(summary) == {"resolve": "ran", "quantize": "pulled", "evaluate": "ran", "engine": "pulled",
+    assert statuses(summary) == {"resolve": "ran", "quantize": "pulled", "evaluate": "pulled", "engine": "pulled",
                                  "package": "ran"}
-    assert "calibrating" not in b.stderr  # no quantize step ran
-    for step in ("quantize", "engine"):
+    assert "calibrating" not in b.stderr and "quality:" not in b.stderr  # no quantize or evaluate step ran
+    gates = {g["name"]: g["status"] for g in summary["steps"][2]["gates"]}
+    assert gates == {"perplexity increase": "passed", "mean KL divergence": "off"}  # checked on pulled figures
+    for step in ("quantize", "evaluate", "engine"):
         manifest = read_manifest(tmp_path / "build" / "tiny-llama" / step)
         assert manifest["pulled"]["from"].startswith(registry.url())
         assert manifest["fingerprint"] == next(s["fingerprint"] for s in summary_a["steps"] if s["name"] == step)
@@ -132,8 +134,8 @@ def test_dry_run_json_gives_the_fingerprints_a_cache_keys_on(runner_a, registry,
     assert dry.returncode == 0, dry.stderr
     data = json.loads(dry.stdout)
     assert [s["fingerprint"] for s in data["steps"]] == [s["fingerprint"] for s in summary_a["steps"]]
-    assert {s["name"]: s["remote"] for s in data["steps"]} == {"resolve": None, "quantize": "hit", "evaluate": None,
-                                                              "engine": "hit", "package": None}
+    assert {s["name"]: s["remote"] for s in data["steps"]} == {"resolve": None, "quantize": "hit",
+                                                              "evaluate": "hit", "engine": "hit", "package": None}
     assert not (tmp_path / "build").exists()  # a dry run writes nothing
 
 
@@ -275,7 +277,8 @@ def test_an_authenticated_registry_with_credentials_from_the_usual_places(runner
         ls = kiln("cache", "ls", RECIPE, *FAST, "--cache", url, "--json", cwd=tmp_path / "ls", env=env_vars)
         outputs += [ls.stdout, ls.stderr]
         assert ls.returncode == 0, ls.stderr
-        assert {e["step"] for e in json.loads(ls.stdout)["entries"] if e["current"]} == {"quantize", "engine"}
+        current = {e["step"] for e in json.loads(ls.stdout)["entries"] if e["current"]}
+        assert current == {"quantize", "evaluate", "engine"}
         # Wrong credentials: refused, the source named, the build falls back (or fails when required).
         wrong = env_without_credentials(KILN_REGISTRY_USERNAME="kiln", KILN_REGISTRY_PASSWORD=SENTINEL + "x")
         bad = kiln("build", *common, "--to", "resolve", "--set", "cache.share=[resolve]", cwd=tmp_path / "bad",

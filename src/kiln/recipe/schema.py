@@ -338,8 +338,10 @@ class CacheSection(Section):
     URL` and the KILN_REMOTE_CACHE environment variable beat this. Empty: no remote cache. Credentials never go
     here: `docker login` / `oras login` / `podman login`, or KILN_REGISTRY_USERNAME and KILN_REGISTRY_PASSWORD."""
 
-    share: tuple[ShareableStep, ...] = ("quantize", "engine")
-    """Steps whose outputs are looked up before they run and pushed after: by default the expensive ones."""
+    share: tuple[ShareableStep, ...] = ("quantize", "evaluate", "engine")
+    """Steps whose outputs are looked up before they run and pushed after: by default the expensive ones —
+    calibration, the quality measurement (both models over the evaluation set; the gate is still checked on the
+    pulled figures) and the engine build."""
 
     pull: bool = True
     """Look shared steps up in the remote cache and pull a hit instead of running the step."""
