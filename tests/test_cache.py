@@ -277,3 +277,26 @@ def test_bearer_token_auth_with_a_password_or_an_identity_token(token_registry):
         Registry(parse_cache_url(url), Credentials("kiln", "wrong", "KILN_REGISTRY_PASSWORD")).get_manifest("x")
     assert "token service refused credentials for 'kiln' from KILN_REGISTRY_PASSWORD" in str(exc.value)
     assert "wrong" not in str(exc.value)
+
+
+def test_where_the_cache_address_comes_from(monkeypatch):
+    import kiln.cli.main  # noqa: F401  (the CLI modules import each other through it)
+    from kiln.cli.commands import cache_overrides
+
+    monkeypatch.setenv("KILN_REMOTE_CACHE", "oci://env.example.com/c")
+    assert cache_overrides((), None) == ("cache.remote=oci://env.example.com/c",)
+    assert cache_overrides((), "oci://cli.example.com/c") == ("cache.remote=oci://cli.example.com/c",)
+    explicit = ("cache.remote=oci://set.example.com/c",)
+    assert cache_overrides(explicit, None) == explicit  # --set beats the environment
+    assert cache_overrides((), "none") == ("cache.remote=null",)
+    monkeypatch.delenv("KILN_REMOTE_CACHE")
+    assert cache_overrides(("serving.http_port=1",), None) == ("serving.http_port=1",)
+
+
+def test_cache_none_turns_a_recipes_remote_cache_off(kiln, write_recipe, monkeypatch):
+    monkeypatch.delenv("KILN_REMOTE_CACHE", raising=False)
+    path = write_recipe("name: x\ntarget: reference\ncache:\n  remote: oci://r.example.com/c\n")
+    on = json.loads(kiln("build", path, "--dry-run", "--json", "--set", "cache.pull=false").output)
+    assert on["cache"] == "oci://r.example.com/c"
+    off = json.loads(kiln("build", path, "--dry-run", "--json", "--cache", "none").output)
+    assert off["cache"] is None

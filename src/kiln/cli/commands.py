@@ -44,11 +44,12 @@ def layout_options(fn):
 
 
 def cache_overrides(overrides: tuple[str, ...], cache: Optional[str]) -> tuple[str, ...]:
-    """--cache URL (else $KILN_REMOTE_CACHE) as the override ``cache.remote=URL``, validated like the recipe's
-    own value; ``--cache none`` turns a recipe's remote cache off."""
+    """--cache URL (else $KILN_REMOTE_CACHE, unless --set cache.remote=… is given) as the override
+    ``cache.remote=URL``, validated like the recipe's own value; ``--cache none`` turns the remote cache off."""
     from kiln.pipeline.remote import ENV_URL
 
-    url = cache if cache is not None else os.environ.get(ENV_URL) or None
+    explicit = any(o.split("=", 1)[0].strip() == "cache.remote" for o in overrides)
+    url = cache if cache is not None else None if explicit else os.environ.get(ENV_URL) or None
     if url is None:
         return overrides
     return (*overrides, "cache.remote=null" if url.strip().lower() in ("none", "off", "") else f"cache.remote={url}")
