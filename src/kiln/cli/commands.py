@@ -43,17 +43,46 @@ def layout_options(fn):
     return fn
 
 
-def _run_build(recipe: str, overrides, strict, from_step, to_step, force, dry_run, build_dir, repo_dir,
-               as_json: bool, quiet: bool) -> None:
-    from kiln.pipeline.runner import Layout, Status, describe_schedule, render_summary, run, schedule, summary_json
+def cache_overrides(overrides: tuple[str, ...], cache: Optional[str]) -> tuple[str, ...]:
+    """--cache URL (else $KILN_REMOTE_CACHE, unless --set cache.remote=… is given) as the override
+    ``cache.remote=URL``, validated like the recipe's own value; ``--cache none`` turns the remote cache off."""
+    from kiln.pipeline.remote import ENV_URL
 
-    loaded = load(recipe, overrides, strict)
+    explicit = any(o.split("=", 1)[0].strip() == "cache.remote" for o in overrides)
+    url = cache if cache is not None else None if explicit else os.environ.get(ENV_URL) or None
+    if url is None:
+        return overrides
+    return (*overrides, "cache.remote=null" if url.strip().lower() in ("none", "off", "") else f"cache.remote={url}")
+
+
+def cache_option(fn):
+    return click.option("--cache", "cache", metavar="URL",
+                        help="Remote cache of step outputs: oci://HOST/REPOSITORY (oci+http:// for plain HTTP), "
+                             "or none. Beats $KILN_REMOTE_CACHE, which beats the recipe's cache.remote.")(fn)
+
+
+def _run_build(recipe: str, overrides, strict, from_step, to_step, force, dry_run, build_dir, repo_dir,
+               as_json: bool, quiet: bool, cache: Optional[str] = None, cache_required: bool = False,
+               junit: Optional[Path] = None) -> None:
+    from kiln.pipeline.remote import RemoteCache
+    from kiln.pipeline.reports import schedule_dict, summary_json, write_junit
+    from kiln.pipeline.runner import Layout, Status, describe_schedule, render_summary, run, schedule
+
+    loaded = load(recipe, cache_overrides(overrides, cache), strict)
     layout = Layout(build_dir, repo_dir)
     if dry_run:
-        describe_schedule(schedule(loaded, layout, force, from_step, to_step), loaded, out)
+        scheduled = schedule(loaded, layout, force, from_step, to_step)
+        if as_json:
+            remote = RemoteCache.for_recipe(loaded, console=err, progress=False)
+            click.echo(json.dumps(schedule_dict(scheduled, loaded, remote.lookup if remote else None), indent=2))
+        else:
+            describe_schedule(scheduled, loaded, out)
         return
+    remote = RemoteCache.for_recipe(loaded, cache_required, console=err, progress=not quiet)
     with stdout_to_stderr(as_json):  # libraries that print to stdout must not corrupt the JSON
-        summary = run(loaded, layout, force, from_step, to_step, console=err, progress=not quiet)
+        summary = run(loaded, layout, force, from_step, to_step, console=err, progress=not quiet, remote=remote)
+    if junit is not None:
+        write_junit(summary, junit)
     if as_json:
         click.echo(summary_json(summary))
     else:
@@ -74,14 +103,23 @@ def _run_build(recipe: str, overrides, strict, from_step, to_step, force, dry_ru
 @click.option("--from", "from_step", type=STEPS, help="Re-run from this step (earlier steps must be current).")
 @click.option("--to", "to_step", type=STEPS, help="Stop after this step.")
 @click.option("--force", is_flag=True, help="Re-run every step, even if up to date.")
-@click.option("--dry-run", is_flag=True, help="Print the plan (run/skip and why, the exact engine build command).")
-@click.option("--json", "as_json", is_flag=True, help="Print the run summary as JSON on stdout.")
+@click.option("--dry-run", is_flag=True, help="Print the plan (run/skip and why, the exact engine build command); "
+              "with --json, each step's fingerprint and whether the remote cache has it.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the run summary (or with --dry-run the schedule) as JSON on stdout (schema_version 1).")
+@click.option("--junit", type=click.Path(path_type=Path, dir_okay=False),
+              help="Write a JUnit XML report: a test case per step and per quality-gate criterion.")
+@cache_option
+@click.option("--cache-required", is_flag=True,
+              help="Fail (exit 1) on any remote-cache error instead of warning and building locally.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @layout_options
 @handle_errors
-def build(recipe, overrides, strict, from_step, to_step, force, dry_run, as_json, quiet, build_dir, repo_dir):
+def build(recipe, overrides, strict, from_step, to_step, force, dry_run, as_json, junit, cache, cache_required, quiet,
+          build_dir, repo_dir):
     """Build RECIPE: resolve → quantize → evaluate → build (engine) → package, skipping what is up to date."""
-    _run_build(recipe, overrides, strict, from_step, to_step, force, dry_run, build_dir, repo_dir, as_json, quiet)
+    _run_build(recipe, overrides, strict, from_step, to_step, force, dry_run, build_dir, repo_dir, as_json, quiet,
+               cache, cache_required, junit)
 
 
 @cli.command()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from filelock import FileLock, Timeout
 from rich.console import Console
@@ -27,9 +27,12 @@ from kiln.pipeline.fingerprint import diff, digest, flatten, select, tool_versio
 from kiln.pipeline.registry import STEP_ORDER, load_steps
 from kiln.recipe.loader import LoadedRecipe
 from kiln.recipe.render import recipe_yaml
-from kiln.steps.base import StepContext, StepResult, StepSpec
+from kiln.steps.base import Gate, StepContext, StepResult, StepSpec
 from kiln.util.artifacts import atomic_dir, leftovers, link_tree, read_manifest, write_manifest
 from kiln.util.errors import InputError, KilnError
+
+if TYPE_CHECKING:
+    from kiln.pipeline.remote import RemoteCache
 
 
 class _Word(str, Enum):
@@ -54,6 +57,7 @@ class Status(_Word):
 
     RAN = "ran"
     REUSED = "reused"  # same fingerprint under another recipe: hard-linked instead of recomputed
+    PULLED = "pulled"  # same fingerprint in the remote cache: pulled and verified instead of recomputed
     SKIPPED = "skipped"
     FAILED = "failed"
     NOT_RUN = "not run"
@@ -97,6 +101,13 @@ class StepOutcome:
     result: Optional[StepResult] = None
     message: str = ""
     reused_from: Optional[Path] = None
+    fingerprint: str = ""
+    pulled_from: Optional[str] = None
+    """The remote-cache entry the output was pulled from (status pulled)."""
+    pushed_to: Optional[str] = None
+    """The remote-cache entry this run pushed the output to."""
+    gates: list[Gate] = field(default_factory=list)
+    """The step's pass/fail criteria checked on its result (the quality gate)."""
 
 
 @dataclass
@@ -107,6 +118,9 @@ class RunSummary:
     seconds: float = 0.0
     swept: list[Path] = field(default_factory=list)
     """Temporary outputs a killed build had left, removed at the start of this run."""
+    cache: Optional[str] = None
+    """The remote cache used (its address), if any."""
+    cache_warnings: list[str] = field(default_factory=list)
 
 
 def gpu_component(loaded: LoadedRecipe) -> str:
@@ -276,8 +290,12 @@ def sweep_recipe_leftovers(loaded: LoadedRecipe, layout: Layout) -> list[Path]:
 
 
 def run(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_step: Optional[str] = None,
-        to_step: Optional[str] = None, console: Optional[Console] = None, progress: bool = True) -> RunSummary:
-    """Run the pipeline. Never raises for a step failure: the summary carries it (CLI maps it to an exit code)."""
+        to_step: Optional[str] = None, console: Optional[Console] = None, progress: bool = True,
+        remote: Optional["RemoteCache"] = None) -> RunSummary:
+    """Run the pipeline. Never raises for a step failure: the summary carries it (CLI maps it to an exit code).
+
+    With ``remote``, a shared step that would run is first looked up there by fingerprint and pulled on a hit;
+    a shared step's complete output the registry lacks is pushed (see :mod:`kiln.pipeline.remote`)."""
     console = console or Console(stderr=True)
     t_start = time.monotonic()
     schedule(loaded, layout, force, from_step, to_step)  # argument errors before waiting on a lock
@@ -301,8 +319,12 @@ def run(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_step: Op
                 if p.stored is not None:
                     inputs[name], results[name] = p.out_dir, p.stored
                 if p.action == Action.SKIP:
-                    outcomes.append(StepOutcome(name, Status.SKIPPED, 0.0, p.out_dir, p.stored, "up to date"))
-                    failure = _check(p, loaded, p.stored)
+                    outcomes.append(StepOutcome(name, Status.SKIPPED, 0.0, p.out_dir, p.stored, "up to date",
+                                                fingerprint=p.fingerprint, gates=_gates(p, loaded, p.stored)))
+                    pushed = None
+                    if remote is not None and p.manifest is not None and not p.manifest.get("pulled"):
+                        pushed = _push(remote, p, outcomes[-1], built_here=False)
+                    failure = _check(p, loaded, p.stored) or pushed
                 else:
                     outcomes.append(StepOutcome(name, Status.NOT_RUN, out_dir=p.out_dir, message="outside --from/--to"))
                 continue
@@ -310,11 +332,14 @@ def run(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_step: Op
             console.print(f"[bold]▶ {name}[/] [dim]({'; '.join(p.reasons)})"
                           + (f" — reusing {reuse}" if reuse else "") + "[/]", highlight=False)
             started, t0 = time.time(), time.monotonic()
+            pulled = None
             try:
                 with atomic_dir(p.out_dir) as tmp:
                     if reuse is not None:
                         link_tree(reuse, tmp, skip=("manifest.json",))
                         result = _stored(p.spec, reuse, loaded)[1]
+                    elif remote is not None and (pulled := remote.pull(p, tmp, loaded)) is not None:
+                        result = pulled.result
                     else:
                         ctx = StepContext(loaded, tmp, dict(inputs), dict(results), console, progress, p.out_dir,
                                           p.fingerprint)
@@ -326,21 +351,49 @@ def run(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_step: Op
                     if missing:
                         raise KilnError(f"step {name} did not write {', '.join(missing)}: its output is incomplete "
                                         "and was not kept")
-                    write_manifest(tmp, _manifest(p, loaded, result, started, time.monotonic() - t0, reuse))
+                    manifest = _manifest(p, loaded, result, started, time.monotonic() - t0, reuse)
+                    if pulled is not None:
+                        manifest["pulled"] = pulled.info
+                    write_manifest(tmp, manifest)
             except KilnError as exc:
-                outcomes.append(StepOutcome(name, Status.FAILED, time.monotonic() - t0, None, None, str(exc)))
+                outcomes.append(StepOutcome(name, Status.FAILED, time.monotonic() - t0, None, None, str(exc),
+                                            fingerprint=p.fingerprint))
                 failure = exc
                 continue
             seconds = time.monotonic() - t0
             inputs[name], results[name] = p.out_dir, result
-            outcomes.append(StepOutcome(name, Status.REUSED if reuse else Status.RAN, seconds, p.out_dir, result,
-                                        reused_from=reuse))
+            status = Status.PULLED if pulled else Status.REUSED if reuse else Status.RAN
+            outcomes.append(StepOutcome(name, status, seconds, p.out_dir, result, reused_from=reuse,
+                                        fingerprint=p.fingerprint, pulled_from=pulled.info["from"] if pulled else None,
+                                        gates=_gates(p, loaded, result)))
+            pushed = _push(remote, p, outcomes[-1], built_here=reuse is None) if remote and not pulled else None
             failure = _check(p, loaded, result)
             if failure is not None:
                 outcomes[-1].message = str(failure)
+            failure = failure or pushed
     finally:
         lock.release()
-    return RunSummary(loaded.recipe.name, outcomes, failure, time.monotonic() - t_start, swept)
+    return RunSummary(loaded.recipe.name, outcomes, failure, time.monotonic() - t_start, swept,
+                      cache=str(remote.ref) if remote is not None else None,
+                      cache_warnings=list(remote.warnings) if remote is not None else [])
+
+
+def _push(remote: "RemoteCache", p: ScheduledStep, outcome: StepOutcome, built_here: bool) -> Optional[KilnError]:
+    """The remote-cache hook after a step's output is complete: push it if it is shared and the registry lacks
+    it. A KilnError only under --cache-required (otherwise a failure is a warning)."""
+    manifest = read_manifest(p.out_dir)
+    if manifest is None:
+        return None
+    try:
+        outcome.pushed_to = remote.push(p, p.out_dir, manifest, built_here)
+    except KilnError as exc:
+        outcome.message = str(exc)
+        return exc
+    return None
+
+
+def _gates(p: ScheduledStep, loaded: LoadedRecipe, result: Optional[StepResult]) -> list[Gate]:
+    return p.spec.gates(loaded.recipe, result) if p.spec.gates is not None and result is not None else []
 
 
 def _check(p: ScheduledStep, loaded: LoadedRecipe, result: Optional[StepResult]) -> Optional[KilnError]:
@@ -355,22 +408,13 @@ def render_summary(summary: RunSummary, console: Console) -> None:
     table = Table(title=f"kiln build {summary.recipe}", title_justify="left", box=None, pad_edge=False)
     for col in ("step", "status", "time", "output", "notes"):
         table.add_column(col, overflow="fold")
-    colours = {Status.RAN: "green", Status.REUSED: "cyan", Status.SKIPPED: "cyan", Status.FAILED: "red",
-               Status.NOT_RUN: "dim"}
+    colours = {Status.RAN: "green", Status.REUSED: "cyan", Status.PULLED: "cyan", Status.SKIPPED: "cyan",
+               Status.FAILED: "red", Status.NOT_RUN: "dim"}
     for o in summary.outcomes:
         notes = o.message or (o.result.headline() if o.result is not None else "")
         table.add_row(o.name, f"[{colours.get(o.status, 'white')}]{o.status}[/]",
-                      f"{o.seconds:.1f}s" if o.status in (Status.RAN, Status.REUSED) else "", str(o.out_dir or ""),
+                      f"{o.seconds:.1f}s" if o.status in (Status.RAN, Status.REUSED, Status.PULLED) else "",
+                      str(o.out_dir or ""),
                       notes)
     console.print(table)
     console.print(f"total {summary.seconds:.1f}s", style="dim")
-
-
-def summary_json(summary: RunSummary) -> str:
-    return json.dumps({"recipe": summary.recipe, "seconds": summary.seconds,
-                       "failure": str(summary.failure) if summary.failure else None,
-                       "steps": [{"name": o.name, "status": o.status.value, "seconds": o.seconds,
-                                  "output": str(o.out_dir) if o.out_dir else None,
-                                  "result": o.result.model_dump(mode="json") if o.result is not None else {},
-                                  "reused_from": str(o.reused_from) if o.reused_from else None,
-                                  "message": o.message} for o in summary.outcomes]}, indent=2, default=str)

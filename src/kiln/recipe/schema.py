@@ -12,6 +12,7 @@ from typing import Annotated, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kiln.cache.reference import parse_cache_url
 from kiln.recipe.formats import registry
 
 BUILTIN_PREFIX = "builtin:"
@@ -325,6 +326,42 @@ class HardwareSection(Section):
     use a LeaderWorkerSet instead of a Deployment)."""
 
 
+#: Steps whose outputs the remote cache can share (not `package`: it also writes deploy files beside its
+#: directory, and it takes a second). A test keeps this equal to the pipeline's steps minus package.
+ShareableStep = Literal["resolve", "quantize", "evaluate", "engine"]
+
+
+class CacheSection(Section):
+    remote: Optional[str] = None
+    """Remote cache of step outputs, keyed by fingerprint: an OCI registry repository,
+    `oci://HOST[:PORT]/REPOSITORY` (HTTPS) or `oci+http://HOST[:PORT]/REPOSITORY` (plain HTTP). `kiln build --cache
+    URL` and the KILN_REMOTE_CACHE environment variable beat this. Empty: no remote cache. Credentials never go
+    here: `docker login` / `oras login` / `podman login`, or KILN_REGISTRY_USERNAME and KILN_REGISTRY_PASSWORD."""
+
+    share: tuple[ShareableStep, ...] = ("quantize", "evaluate", "engine")
+    """Steps whose outputs are looked up before they run and pushed after: by default the expensive ones —
+    calibration, the quality measurement (both models over the evaluation set; the gate is still checked on the
+    pulled figures) and the engine build."""
+
+    pull: bool = True
+    """Look shared steps up in the remote cache and pull a hit instead of running the step."""
+
+    push: bool = True
+    """Push shared steps' outputs that the registry lacks (built here, or up to date here). Off for a read-only
+    token."""
+
+    layer_mb: Annotated[int, Field(ge=1, le=4096)] = 256
+    """Largest layer, MiB: files are cut into uncompressed layers of at most this size, so a multi-GB engine
+    pushes, resumes and verifies layer by layer."""
+
+    @field_validator("remote")
+    @classmethod
+    def _remote(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            parse_cache_url(v)
+        return v
+
+
 class Recipe(Section):
     """A kiln recipe: one model, how to quantize, compile and serve it."""
 
@@ -360,6 +397,9 @@ class Recipe(Section):
 
     hardware: HardwareSection = HardwareSection()
     """Target hardware."""
+
+    cache: CacheSection = CacheSection()
+    """Remote cache of step outputs (CI engine builds): never part of any fingerprint."""
 
     @field_validator("name")
     @classmethod

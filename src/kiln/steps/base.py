@@ -102,6 +102,20 @@ Files = Union[tuple[str, ...], Callable[[Recipe], tuple[str, ...]]]
 
 
 @dataclass(frozen=True)
+class Gate:
+    """One pass/fail criterion a step's stored result is held to (e.g. the perplexity increase against
+    ``evaluation.max_ppl_increase_pct``): what CI reports show as a test case."""
+
+    name: str
+    key: str
+    """The recipe key that sets the threshold."""
+    passed: Optional[bool]
+    """None when the gate is off (no threshold) or there is no figure to check."""
+    message: str
+    """The figures: measured value and threshold, and on failure what to do."""
+
+
+@dataclass(frozen=True)
 class StepSpec(Generic[R]):
     """A step's declaration: its function, its result type, the files it must produce, and everything its
     fingerprint covers."""
@@ -129,6 +143,8 @@ class StepSpec(Generic[R]):
     check: Optional[Callable[[Recipe, R], Optional[str]]] = None
     """Re-checked on every run, also when the step is skipped (e.g. the quality gate on the stored result):
     returns a failure message or None. Fields it reads are left out of the fingerprint."""
+    gates: Optional[Callable[[Recipe, R], list[Gate]]] = None
+    """The criteria behind ``check``, one by one with their figures (for reports: JUnit test cases, --json)."""
 
     def required_files(self, recipe: Recipe) -> tuple[str, ...]:
         return self.files(recipe) if callable(self.files) else self.files

@@ -27,7 +27,7 @@ from kiln.recipe.formats import gentler_alternatives
 from kiln.recipe.gpus import lookup_gpu
 from kiln.recipe.loader import LoadedRecipe
 from kiln.recipe.schema import Recipe
-from kiln.steps.base import StepContext, StepResult, StepSpec
+from kiln.steps.base import Gate, StepContext, StepResult, StepSpec
 from kiln.steps.quantize import CHECKPOINT_DIR, MODELOPT_STATE, QUANT_RECORD, RESTORE_CHECK, quiet_stdout
 from kiln.util.errors import KilnError
 
@@ -62,24 +62,44 @@ def evaluate_input_hashes(loaded: LoadedRecipe) -> dict[str, str]:
     return {"evaluation": content_hash(ev, "evaluation")} if ev.enabled else {}
 
 
-def check_gate(recipe: Recipe, result: EvaluateResult) -> Optional[str]:
-    """A message when the stored evaluation figures fail the recipe's quality gate, else None."""
-    if result.skipped:
-        return None
+def quality_gates(recipe: Recipe, result: EvaluateResult) -> list[Gate]:
+    """The quality gate's criteria with their figures: the perplexity increase and the mean KL divergence, each
+    against its threshold (passed None when the threshold is off or evaluation did not run)."""
     ev = recipe.evaluation
+    pct, kl = result.ppl_increase_pct, result.mean_kl
     fmt = result.format or recipe.quantization.format
     advice = f"pick a gentler format{_gentler(recipe, fmt)}"
-    failures = []
-    pct = result.ppl_increase_pct
-    if ev.max_ppl_increase_pct is not None and pct is not None and pct > ev.max_ppl_increase_pct:
-        failures.append(
-            f"perplexity rose {_pct(pct)}% ({result.base_perplexity:.2f} → {result.quant_perplexity:.2f}), "
-            f"gate is {ev.max_ppl_increase_pct:g}%: raise evaluation.max_ppl_increase_pct or {advice}")
-    kl = result.mean_kl
-    if ev.max_kl is not None and kl is not None and kl > ev.max_kl:
-        failures.append(f"mean KL divergence is {kl:.4g} nats per token, gate is {ev.max_kl:g}: "
-                        f"raise evaluation.max_kl or {advice}")
-    return "; ".join(failures) or None
+    if result.skipped or pct is None:
+        ppl = Gate("perplexity increase", "evaluation.max_ppl_increase_pct", None, "no figure (evaluation did not run)")
+    elif ev.max_ppl_increase_pct is None:
+        ppl = Gate("perplexity increase", "evaluation.max_ppl_increase_pct", None,
+                   f"perplexity rose {_pct(pct)}%; gate off (evaluation.max_ppl_increase_pct empty)")
+    elif pct > ev.max_ppl_increase_pct:
+        ppl = Gate("perplexity increase", "evaluation.max_ppl_increase_pct", False,
+                   f"perplexity rose {_pct(pct)}% ({result.base_perplexity:.2f} → {result.quant_perplexity:.2f}), "
+                   f"gate is {ev.max_ppl_increase_pct:g}%: raise evaluation.max_ppl_increase_pct or {advice}")
+    else:
+        ppl = Gate("perplexity increase", "evaluation.max_ppl_increase_pct", True,
+                   f"perplexity rose {_pct(pct)}% ({result.base_perplexity:.2f} → {result.quant_perplexity:.2f}), "
+                   f"gate is {ev.max_ppl_increase_pct:g}%")
+    if result.skipped or kl is None:
+        kl_gate = Gate("mean KL divergence", "evaluation.max_kl", None, "no figure (evaluation did not run)")
+    elif ev.max_kl is None:
+        kl_gate = Gate("mean KL divergence", "evaluation.max_kl", None,
+                       f"mean KL divergence is {kl:.4g} nats per token; gate off (evaluation.max_kl empty)")
+    elif kl > ev.max_kl:
+        kl_gate = Gate("mean KL divergence", "evaluation.max_kl", False,
+                       f"mean KL divergence is {kl:.4g} nats per token, gate is {ev.max_kl:g}: "
+                       f"raise evaluation.max_kl or {advice}")
+    else:
+        kl_gate = Gate("mean KL divergence", "evaluation.max_kl", True,
+                       f"mean KL divergence is {kl:.4g} nats per token, gate is {ev.max_kl:g}")
+    return [ppl, kl_gate]
+
+
+def check_gate(recipe: Recipe, result: EvaluateResult) -> Optional[str]:
+    """A message when the stored evaluation figures fail the recipe's quality gate, else None."""
+    return "; ".join(g.message for g in quality_gates(recipe, result) if g.passed is False) or None
 
 
 def _gentler(recipe: Recipe, fmt: str) -> str:
@@ -249,4 +269,5 @@ SPEC = StepSpec(
     input_hashes=evaluate_input_hashes,
     files=(QUALITY_FILE,),
     check=check_gate,
+    gates=quality_gates,
 )
