@@ -50,7 +50,12 @@ def _run_build(recipe: str, overrides, strict, from_step, to_step, force, dry_ru
     loaded = load(recipe, overrides, strict)
     layout = Layout(build_dir, repo_dir)
     if dry_run:
-        describe_schedule(schedule(loaded, layout, force, from_step, to_step), loaded, out)
+        scheduled = schedule(loaded, layout, force, from_step, to_step)
+        describe_schedule(scheduled, loaded, out, layout.build_root)
+        from kiln.pipeline.preflight import check
+
+        for problem in check(loaded, [p.spec.name for p in scheduled if p.action == "run"], layout.build_root):
+            out.print(f"  preflight: {problem}", markup=False, style="yellow")
         return
     with stdout_to_stderr(as_json):  # libraries that print to stdout must not corrupt the JSON
         summary = run(loaded, layout, force, from_step, to_step, console=err, progress=not quiet)
