@@ -60,7 +60,7 @@ def recorded(tmp_path_factory):
     root = tmp_path_factory.mktemp("crash")
     layout = runner.Layout(root / "build", root / "triton_repo")
     out = {}
-    for overrides, to_step in ((["name=crash-trt", "target=tensorrt", *FAST], "evaluate"),
+    for overrides, to_step in ((["name=crash-trt", "target=tensorrt", "quantization.runtime=host", *FAST], "evaluate"),
                                (["name=crash-ref", *FAST], None)):
         loaded = load_recipe(RECIPE, overrides)
         _recording = []

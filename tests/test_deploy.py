@@ -23,6 +23,7 @@ from kiln.recipe.schema import Recipe
 from kiln.triton import deploy as dp
 from kiln.triton.deploy import DeployInfo
 from kiln.util.errors import InputError
+from tests.standins import serving_site, stub_repository
 
 IMAGE = "nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3"
 BASH = shutil.which("bash")
@@ -92,7 +93,8 @@ def test_files_written(case: tuple[DeployInfo, Path, list[Path]]) -> None:
         if info.multi_node
         else ["k8s/deployment.yaml", "k8s/service.yaml"]
     )
-    assert rel == sorted(["README.md", "docker-compose.yml", "launch.sh", *k8s])
+    assert rel == sorted(["README.md", "docker-compose.yml", "launch.sh", *k8s]
+                         + (["Dockerfile.multinode"] if info.multi_node else []))
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == rel
     assert (out / "launch.sh").stat().st_mode & stat.S_IXUSR
     readme = (out / "README.md").read_text()
@@ -166,11 +168,21 @@ def _fake_bin(tmp_path: Path) -> tuple[Path, Path]:
     return bin_dir, record
 
 
-def _env(bin_dir: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KILN_", "LWS_", "MODEL_REPO"))}
+def _env(bin_dir: Path, site: Path | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a stand-in serving container: the fake binaries first on PATH and, on PYTHONPATH, the
+    metadata of the TensorRT-LLM/TensorRT the engine check reads (standins.serving_site)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KILN_", "LWS_", "MODEL_REPO", "PYTHONPATH"))}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    if site is not None:
+        env["PYTHONPATH"] = str(site)
     env.update(extra)
     return env
+
+
+def _served_repo(record: Path) -> Path:
+    """The repository tritonserver was started on (launch.sh serves a shadow repository outside /models)."""
+    return Path(next(w for w in record.read_text().splitlines() if w.startswith("--model-repository="))
+                .split("=", 1)[1])
 
 
 @needs_bash
@@ -180,12 +192,12 @@ def test_launch_sh_runs_exactly_the_launch_command(world_size: int, tmp_path: Pa
     out = tmp_path / "deploy"
     dp.write_deploy_files(info, out)
     bin_dir, record = _fake_bin(tmp_path)
-    repo = tmp_path / "my repo"  # a space: the path must stay one word
-    repo.mkdir()
-    run = subprocess.run([BASH, str(out / "launch.sh")], env=_env(bin_dir, MODEL_REPO=str(repo)),
+    repo = stub_repository(tmp_path / "my repo")  # a space: the path must stay one word
+    run = subprocess.run([BASH, str(out / "launch.sh")],
+                         env=_env(bin_dir, serving_site(tmp_path), MODEL_REPO=str(repo)),
                          capture_output=True, text=True, timeout=30)
     assert run.returncode == 0, run.stderr
-    assert record.read_text().splitlines() == dp.server_command(info, str(repo))
+    assert record.read_text().splitlines() == dp.server_command(info, str(_served_repo(record)))
 
 
 @needs_bash
@@ -194,14 +206,15 @@ def test_launch_sh_multi_node_adds_hostfile_and_prefix(tmp_path: Path) -> None:
     out = tmp_path / "deploy"
     dp.write_deploy_files(info, out)
     bin_dir, record = _fake_bin(tmp_path)
+    repo = stub_repository(tmp_path / "repo")
     run = subprocess.run([BASH, str(out / "launch.sh")],
-                         env=_env(bin_dir, MODEL_REPO=str(tmp_path), KILN_MPI_HOSTFILE="/tmp/hosts"),
+                         env=_env(bin_dir, serving_site(tmp_path), MODEL_REPO=str(repo), KILN_MPI_HOSTFILE="/tmp/hosts"),
                          capture_output=True, text=True, timeout=30)
     assert run.returncode == 0, run.stderr
     words = record.read_text().splitlines()
     expected_args = ["--hostfile", "/tmp/hosts", "--prefix", str(tmp_path), "-x", "PATH", "-x", "LD_LIBRARY_PATH",
                      "-x", "HOME"]
-    assert words == dp.mpirun_command(info, str(tmp_path), mpirun_args=expected_args)
+    assert words == dp.mpirun_command(info, str(_served_repo(record)), mpirun_args=expected_args)
 
 
 @needs_bash
@@ -228,7 +241,8 @@ def test_leader_sh_writes_hostfile_and_runs_launch_sh(tmp_path: Path) -> None:
     (keys / "id_ed25519").write_text("not a real key\n")
     bin_dir, record = _fake_bin(tmp_path)
     common = dict(KILN_SCRIPTS_DIR=str(scripts_dir), KILN_SSH_KEYS=str(keys), KILN_SSH_STATE=str(tmp_path / "state"),
-                  MODEL_REPO=str(tmp_path), LWS_LEADER_ADDRESS="llama-0.llama.serving")
+                  MODEL_REPO=str(stub_repository(tmp_path / "repo")), LWS_LEADER_ADDRESS="llama-0.llama.serving",
+                  PYTHONPATH=str(serving_site(tmp_path)))
 
     # A group of one pod: no worker to wait for; the hostfile lists this node with its GPUs.
     run = subprocess.run([BASH, str(scripts_dir / "leader.sh")], env=_env(bin_dir, LWS_GROUP_SIZE="1", **common),
@@ -543,3 +557,78 @@ def test_from_recipe() -> None:
     assert info.tensorrt_llm_model_names == ("tensorrt_llm", "draft_llm")
     reference = DeployInfo.from_recipe(Recipe.model_validate({"name": "ref", "target": "reference"}), IMAGE)
     assert reference.gpu is False and reference.gpus_per_pod == 0
+
+
+# ---------------------------------------------------------------------------- GPU-path defects (issue 11)
+
+
+@needs_bash
+def test_launch_sh_with_model_repo_elsewhere_points_the_engine_paths_there(tmp_path: Path) -> None:
+    """Defect: config.pbtxt names /models/<model>/1/engine while launch.sh offers MODEL_REPO, so the backend
+    found no engine ("Both encoder and decoder model paths are empty"). launch.sh now serves a shadow
+    repository whose tensorrt_llm configs point into MODEL_REPO, and whose other entries are the originals."""
+    info = make_info(1, tensorrt_llm_model_names=("tensorrt_llm", "tensorrt_llm_draft"))
+    out = tmp_path / "deploy"
+    dp.write_deploy_files(info, out)
+    bin_dir, record = _fake_bin(tmp_path)
+    repo = stub_repository(tmp_path / "elsewhere" / "repo", models=("tensorrt_llm", "tensorrt_llm_draft"))
+    run = subprocess.run([BASH, str(out / "launch.sh")], env=_env(bin_dir, serving_site(tmp_path), MODEL_REPO=str(repo)),
+                         capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    served = _served_repo(record)
+    assert served != repo
+    for model in ("tensorrt_llm", "tensorrt_llm_draft"):
+        text = (served / model / "config.pbtxt").read_text()
+        path = re.search(r'string_value: "([^"]+)"', text).group(1)
+        assert path == str(repo / model / "1" / "engine") and Path(path, "rank0.engine").is_file()
+        assert (served / model / "1").resolve() == (repo / model / "1").resolve()  # the engine is linked, not copied
+
+
+@needs_bash
+def test_launch_sh_refuses_an_engine_built_by_other_versions(tmp_path: Path) -> None:
+    """The engine check runs before tritonserver: a container with another TensorRT-LLM is refused, with the
+    command that rebuilds the engine for it."""
+    out = tmp_path / "deploy"
+    dp.write_deploy_files(make_info(1), out)
+    bin_dir, record = _fake_bin(tmp_path)
+    repo = stub_repository(tmp_path / "repo", trtllm="1.2.1", tensorrt="10.14.1.48")
+    run = subprocess.run([BASH, str(out / "launch.sh")],
+                         env=_env(bin_dir, serving_site(tmp_path, "1.1.0", "10.13.3.9"), MODEL_REPO=str(repo),
+                                  NVIDIA_TRITON_SERVER_VERSION="26.02"),
+                         capture_output=True, text=True, timeout=30)
+    assert run.returncode == 3 and not record.exists()
+    assert "tensorrt_llm: the engine was built with 1.2.1, this environment has 1.1.0" in run.stderr
+    assert ("kiln build stub --from engine --set engine_runtime.image="
+            "nvcr.io/nvidia/tritonserver:26.02-trtllm-python-py3") in run.stderr
+
+
+def test_multi_node_pods_run_the_derived_image_with_sshd(tmp_path: Path) -> None:
+    """Defect: the LeaderWorkerSet ran the stock NGC image, whose worker has no sshd. Its pods now run the derived
+    image that Dockerfile.multinode builds (the serving image plus OpenSSH)."""
+    info = make_info(16, multinode_image="registry.example.com/team/kiln-mn:26.07")
+    out = tmp_path / "deploy"
+    dp.write_deploy_files(info, out)
+    lws = load_all(out / "k8s" / "leaderworkerset.yaml")[0]["spec"]["leaderWorkerTemplate"]
+    images = {c["image"] for t in ("leaderTemplate", "workerTemplate") for c in lws[t]["spec"]["containers"]}
+    assert images == {"registry.example.com/team/kiln-mn:26.07"}
+    dockerfile = (out / "Dockerfile.multinode").read_text()
+    assert f"ARG BASE_IMAGE={IMAGE}" in dockerfile and "openssh-server" in dockerfile
+    default = make_info(16, multinode_image=dp.multinode_image_name(IMAGE))
+    assert default.multinode_image == "kiln-trtllm-multinode:26.07-trtllm-python-py3" != IMAGE
+    single = tmp_path / "single"
+    dp.write_deploy_files(make_info(8), single)
+    assert not (single / "Dockerfile.multinode").exists()
+
+
+def test_draft_target_with_tp_runs_in_orchestrator_mode() -> None:
+    """Defect: draft+target with tp × pp > 1 needs TensorRT-LLM's orchestrator mode (upstream's --multi-model)."""
+    info = make_info(2, tensorrt_llm_model_names=("tensorrt_llm", "tensorrt_llm_draft"), orchestrator_gpus=3)
+    argv = dp.server_command(info, "/models")
+    assert argv[:3] == ["env", "TRTLLM_ORCHESTRATOR=1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES=1"]
+    assert argv[3] == "tritonserver" and "mpirun" not in argv  # one process spawns the ranks
+    assert [a for a in argv if a.startswith("--cuda-memory-pool-byte-size=")] == [
+        "--cuda-memory-pool-byte-size=0:0", "--cuda-memory-pool-byte-size=1:0", "--cuda-memory-pool-byte-size=2:0"]
+    assert "--enable-peer-access=false" in argv and "--pinned-memory-pool-byte-size=0" in argv
+    assert "export TRTLLM_ORCHESTRATOR=1" in dp.render_launch_script(info)
+    with pytest.raises(InputError, match="one node"):
+        make_info(16, tensorrt_llm_model_names=("tensorrt_llm", "tensorrt_llm_draft"), orchestrator_gpus=16)

@@ -190,27 +190,21 @@ def test_validate_and_plan_give_the_same_verdict_on_every_gpu(kiln, path: Path, 
         assert "does not fit" in seen  # the extra case does reach that branch
 
 
-def test_the_engine_step_refuses_what_validate_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
-    """why_not_buildable on a B200 host. Stand-ins (not a GPU run): `tensorrt_llm` reported installed and
-    nvidia-smi reporting one B200; the verdict is the registry's, word for word what `kiln validate` says."""
-    import importlib.util
+def test_preflight_refuses_on_this_gpu_what_validate_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine runtime runs on this machine's GPU: preflight gives the registry's verdict for it, word for word
+    what `kiln validate` says. Stand-in (not a GPU run): nvidia-smi reporting one B200."""
+    from kiln.pipeline import preflight
 
-    from kiln.steps import engine
-
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(engine.importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "tensorrt_llm" else real_find_spec(name, *a))
-    monkeypatch.setattr(engine, "detect_gpus", lambda: ("B200", 1))
+    monkeypatch.setattr(preflight, "detected_gpu_names", lambda: ["NVIDIA B200"])
     for sets, key in ((["quantization.format=w4a8_awq"], "quantization.format"),
                       (["quantization.kv_cache=int8"], "quantization.kv_cache")):
-        recipe = load_recipe(REPO_ROOT / "configs" / "llama-3.1-8b" / "fp8.yaml",
-                             [*sets, "hardware.gpu=B200", "quantization.calibration.samples=32"],
-                             check_rules=False).recipe
-        (refusal,) = [p for p in check_rules(recipe) if p.key == key and p.severity == "error"]
-        reason = engine.why_not_buildable(recipe)
-        assert reason == f"on this machine's GPU: {refusal.message}. To proceed: {refusal.hint}"
+        loaded = load_recipe(REPO_ROOT / "configs" / "llama-3.1-8b" / "fp8.yaml",
+                             [*sets, "hardware.gpu=B200", "quantization.calibration.samples=32"], check_rules=False)
+        (refusal,) = [p for p in check_rules(loaded.recipe) if p.key == key and p.severity == "error"]
+        problems = preflight._gpu_problems(loaded.recipe, ["engine"])
+        assert problems == [f"{key}: {refusal.message} on this machine's B200; {refusal.hint}"]
     ok = load_recipe(REPO_ROOT / "configs" / "llama-3.1-8b" / "fp8.yaml", ["hardware.gpu=B200"]).recipe
-    assert engine.why_not_buildable(ok) is None
+    assert preflight._gpu_problems(ok, ["engine"]) == []
 
 
 # ------------------------------------------------------------------------------ facts from upstream
@@ -371,7 +365,11 @@ def test_a_new_format_is_one_registry_entry(kiln_with_new_format: Path, tmp_path
                     "hardware.gpu=H100-SXM", "--dry-run", "--build-dir", str(tmp_path / "b"), "--repo-dir",
                     str(tmp_path / "r"))
     assert dry.returncode == 0, dry.stderr
-    assert "ModelOpt FP8_PER_CHANNEL_PER_TOKEN_CFG" in dry.stdout  # the quantize step's preset
+    assert "quantize_and_export(qformat=fp8_pc_pt" in dry.stdout  # what the engine runtime's quantizer is told
+    host = _run_kiln(kiln_with_new_format, "build", recipe, "--set", "quantization.format=fp8_pc_pt", "--set",
+                     "hardware.gpu=H100-SXM", "--set", "quantization.runtime=host", "--dry-run", "--build-dir",
+                     str(tmp_path / "b"), "--repo-dir", str(tmp_path / "r"))
+    assert "ModelOpt FP8_PER_CHANNEL_PER_TOKEN_CFG" in host.stdout  # the host path's preset
     assert "quant_algo FP8_PER_CHANNEL_PER_TOKEN" in dry.stdout  # what its checkpoint must say
     shown = _run_kiln(kiln_with_new_format, "show", recipe, "--doc")
     assert "`fp8_pc_pt` (FP8 per-channel per-token)" in " ".join(shown.stdout.replace("#", " ").split())

@@ -35,7 +35,7 @@ def linter() -> Path:
 def test_layer_contract_is_kept(linter):
     proc = run_lint_imports(REPO_ROOT, REPO_ROOT / "src")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "Contracts: 1 kept, 0 broken." in proc.stdout
+    assert "Contracts: 2 kept, 0 broken." in proc.stdout
 
 
 def test_layer_contract_catches_an_upward_import(linter, tmp_path):
@@ -49,6 +49,20 @@ def test_layer_contract_catches_an_upward_import(linter, tmp_path):
     proc = run_lint_imports(tmp_path, tmp_path / "src")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
-    assert "0 kept, 1 broken" in out
+    assert "1 kept, 1 broken" in out
     assert "kiln.recipe is not allowed to import kiln.cli" in out
     assert f"kiln.recipe.schema -> kiln.cli (l.{len(lines) + 1})" in out
+
+
+def test_kiln_importing_tensorrt_llm_breaks_the_contract(linter, tmp_path):
+    """kiln orchestrates; TensorRT-LLM runs in the engine runtime. An import of tensorrt_llm anywhere in kiln (but
+    the standalone quantize worker) breaks a contract."""
+    shutil.copytree(REPO_ROOT / "src" / "kiln", tmp_path / "src" / "kiln",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copy(REPO_ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    engine = tmp_path / "src" / "kiln" / "steps" / "engine.py"
+    engine.write_text(engine.read_text() + "\n\ndef _lazy():\n    import tensorrt_llm  # injected by test_layers\n")
+    proc = run_lint_imports(tmp_path, tmp_path / "src")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "kiln.steps.engine -> tensorrt_llm" in out

@@ -132,42 +132,45 @@ def test_two_simultaneous_builds_make_one_set_of_artifacts(tmp_path):
     assert len(list((tmp_path / "build" / "tiny-llama").glob("quantize*"))) == 1
 
 
-def test_tensorrt_recipe_stops_at_the_engine_step_after_quantizing(tmp_path):
+def test_tensorrt_recipe_is_refused_without_a_gpu_and_calibrates_on_the_host_when_asked(tmp_path):
+    """No GPU here: a tensorrt recipe is refused before any work, and the message says how to calibrate and gate on
+    the CPU; doing so exports the TensorRT-LLM checkpoint with kiln's ModelOpt, and the manifest says so."""
     args = ["build", RECIPE, *FAST, "--set", "target=tensorrt", "--set", "name=tiny-trt"]
     dry = kiln(*args, "--dry-run", cwd=tmp_path)
     assert dry.returncode == 0
-    assert "trtllm-build --checkpoint_dir build/tiny-trt/quantize/trtllm_checkpoint" in dry.stdout
+    assert "trtllm-build --checkpoint_dir /kiln/in/checkpoint --output_dir /kiln/out/trtllm_engine" in dry.stdout
     assert "--kv_cache_type paged" in dry.stdout and "--tokens_per_block 32" in dry.stdout
-    run = kiln(*args, "--quiet", "--json", cwd=tmp_path)
-    assert run.returncode == 1
+    refused = kiln(*args, "--quiet", cwd=tmp_path)
+    assert refused.returncode == 2 and "no GPU on this machine" in refused.stderr
+    assert "--set quantization.runtime=host --to evaluate" in refused.stderr and "Traceback" not in refused.stderr
+    assert not (tmp_path / "build" / "tiny-trt" / "quantize").exists()
+    run = kiln(*args, "--set", "quantization.runtime=host", "--to", "evaluate", "--quiet", "--json", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
     steps = {s["name"]: s for s in json.loads(run.stdout)["steps"]}
     assert steps["quantize"]["status"] == "ran" and steps["evaluate"]["status"] == "ran"
-    assert steps["engine"]["status"] == "failed" and steps["package"]["status"] == "not run"
-    message = steps["engine"]["message"]
-    assert "TensorRT-LLM is not installed" in message or "no CUDA device" in message
-    assert "target: reference" in message and "Traceback" not in run.stderr
+    assert steps["quantize"]["result"]["produced_by"]["environment"].startswith("host")
     ckpt = json.loads((tmp_path / "build" / "tiny-trt" / "quantize" / "trtllm_checkpoint" / "config.json").read_text())
     assert ckpt["quantization"]["quant_algo"] == "W8A8_SQ_PER_CHANNEL"
 
 
 def _gpu_ready() -> str | None:
-    import importlib.util
     import shutil
 
-    if importlib.util.find_spec("tensorrt_llm") is None:
-        return "tensorrt_llm is not installed"
     if shutil.which("nvidia-smi") is None:
         return "no CUDA device (nvidia-smi not found)"
+    if not any(shutil.which(e) for e in ("docker", "podman", "apptainer")):
+        return "no container engine for the engine runtime (docker, podman or apptainer)"
     return None
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpu_ready() is not None, reason=f"needs a CUDA GPU and TensorRT-LLM 1.2.x: {_gpu_ready()}")
+@pytest.mark.skipif(_gpu_ready() is not None, reason=f"needs a CUDA GPU and the NGC TensorRT-LLM image: {_gpu_ready()}")
 def test_gpu_builds_a_real_engine(tmp_path):
-    """On a GPU host with TensorRT-LLM: the built-in model's tensorrt recipe compiles and packages for real."""
+    """On a GPU host with docker and the NGC image: the built-in model's tensorrt recipe quantizes, compiles and
+    packages for real, in the engine runtime."""
     result = kiln("build", RECIPE, "--set", "target=tensorrt", "--set", "name=tiny-gpu", "--set",
                   "quantization.format=int8_sq", "--quiet", cwd=tmp_path, timeout=3600)
     assert result.returncode == 0, result.stderr
-    engine = tmp_path / "build" / "tiny-gpu" / "build" / "engine"
+    engine = tmp_path / "build" / "tiny-gpu" / "engine" / "trtllm_engine"
     assert (engine / "rank0.engine").stat().st_size > 0
     assert kiln("lint", str(tmp_path / "triton_repo" / "tiny-gpu"), cwd=tmp_path).returncode == 0

@@ -261,7 +261,7 @@ def run_bad(recipe: Recipe, tmp_path: Path) -> str:
 
 def model_recipe(source: Path | str, **quant: Any) -> Recipe:
     return make_recipe(target="tensorrt", model={"source": str(source)},
-                       quantization={"format": "int8_wo", **quant})
+                       quantization={"format": "int8_wo", "runtime": "host", **quant})
 
 
 @pytest.mark.usefixtures("no_heavy_work")
@@ -383,7 +383,7 @@ def test_nvfp4_without_cuda(tmp_path: Path, tiny_random_model: Path) -> None:
 @pytest.mark.usefixtures("no_heavy_work")
 def test_tp_must_divide_heads(tmp_path: Path, tiny_random_model: Path) -> None:
     r = make_recipe(target="tensorrt", model={"source": str(tiny_random_model)},
-                    quantization={"format": "fp8"}, parallelism={"tp": 3})
+                    quantization={"format": "fp8", "runtime": "host"}, parallelism={"tp": 3})
     assert "parallelism.tp: 3 does not divide the model's 2 attention heads" in run_bad(r, tmp_path)
 
 
@@ -435,7 +435,7 @@ FORMATS = [
     ("int8_wo", ["quantization.format=int8_wo"], "W8A16", None),
     ("int4_wo", ["quantization.format=int4_wo", "quantization.kv_cache=int8"], "W4A16", "INT8"),
 ]
-FAST = ["target=tensorrt", "quantization.calibration.samples=8", "quantization.calibration.max_seq_len=64",
+FAST = ["target=tensorrt", "quantization.runtime=host", "quantization.calibration.samples=8", "quantization.calibration.max_seq_len=64",
         "evaluation.samples=8", "evaluation.max_seq_len=128"]
 
 

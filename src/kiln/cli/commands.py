@@ -76,7 +76,11 @@ def _run_build(recipe: str, overrides, strict, from_step, to_step, force, dry_ru
             remote = RemoteCache.for_recipe(loaded, console=err, progress=False)
             click.echo(json.dumps(schedule_dict(scheduled, loaded, remote.lookup if remote else None), indent=2))
         else:
-            describe_schedule(scheduled, loaded, out)
+            describe_schedule(scheduled, loaded, out, layout.build_root)
+            from kiln.pipeline.preflight import check
+
+            for problem in check(loaded, [p.spec.name for p in scheduled if p.action == "run"], layout.build_root):
+                out.print(f"  preflight: {problem}", markup=False, style="yellow")
         return
     remote = RemoteCache.for_recipe(loaded, cache_required, console=err, progress=not quiet)
     with stdout_to_stderr(as_json):  # libraries that print to stdout must not corrupt the JSON

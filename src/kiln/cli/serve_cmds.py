@@ -58,17 +58,18 @@ def serve(target, overrides, host, http_port, grpc_port, metrics_port, docker, b
           build_dir, repo_dir):
     """Serve TARGET (a recipe, built first if needed, or a packaged repository) with a real tritonserver."""
     from kiln.serve.server import ServerConfig
-    from kiln.serve.session import (docker_command, run_docker, serve_foreground, start_background,
-                                    state_file_for)
+    from kiln.serve.session import (check_engine_here, docker_command, run_docker, serve_foreground,
+                                    start_background, state_file_for)
 
     repo, serving, loaded = _prepare(target, overrides, build_dir, repo_dir)
     cfg = ServerConfig(repo=repo, host=host or serving.host, http_port=http_port or serving.http_port,
                        grpc_port=grpc_port or serving.grpc_port, metrics_port=metrics_port or serving.metrics_port)
+    info = json.loads((repo / "kiln.json").read_text()) if (repo / "kiln.json").is_file() else {}
     if docker:
-        info = json.loads((repo / "kiln.json").read_text()) if (repo / "kiln.json").is_file() else {}
-        cmd = docker_command(repo, info.get("container"), cfg, int(info.get("world_size", 1)))
+        cmd = docker_command(repo, info, cfg)
         err.print("$ " + " ".join(cmd), markup=False)
         sys.exit(run_docker(cmd))
+    check_engine_here(repo, info)
     if background:
         sf = state_file_for(repo)
         argv = [sys.executable, "-m", "kiln", "serve", str(repo), "--host", cfg.host,

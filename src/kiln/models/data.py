@@ -193,18 +193,8 @@ def _hub_texts(source: DataSourceLike, key: str) -> list[str]:
 # --------------------------------------------------------------------------------------------- tokenize
 
 
-def tokenize_samples(texts: list[str], tokenizer: Any, samples: int, max_seq_len: int, seed: Optional[int],
-                     key: str = "quantization.calibration", min_tokens: int = 2) -> list[torch.Tensor]:
-    """``samples`` token sequences (1-D int64 tensors, at most ``max_seq_len`` tokens each).
-
-    Texts are tokenized with the tokenizer's special tokens (e.g. BOS) and truncated; those shorter than
-    ``min_tokens`` are not usable. When there are more usable texts than asked, a seeded random choice is
-    taken, kept in the original order (with ``seed=None``: the first ``samples``); only as many texts as
-    that takes are tokenized. Fewer usable texts than asked is an InputError saying how many were found
-    and which key to lower (``{key}.samples``).
-    """
-    import torch
-
+def _choose(texts: list[str], tokenizer: Any, samples: int, max_seq_len: int, seed: Optional[int], key: str,
+            min_tokens: int) -> dict[int, list[int]]:
     order = list(range(len(texts)))
     if seed is not None:
         random.Random(seed).shuffle(order)
@@ -219,7 +209,31 @@ def tokenize_samples(texts: list[str], tokenizer: Any, samples: int, max_seq_len
         raise InputError(f"{key}.samples: asked for {samples} samples but the data has only {len(usable)} usable "
                          f"(texts of at least {min_tokens} tokens, out of {len(texts)} texts); lower {key}.samples "
                          f"to {len(usable)} or less, or give more text")
+    return usable
+
+
+def tokenize_samples(texts: list[str], tokenizer: Any, samples: int, max_seq_len: int, seed: Optional[int],
+                     key: str = "quantization.calibration", min_tokens: int = 2) -> list[torch.Tensor]:
+    """``samples`` token sequences (1-D int64 tensors, at most ``max_seq_len`` tokens each).
+
+    Texts are tokenized with the tokenizer's special tokens (e.g. BOS) and truncated; those shorter than
+    ``min_tokens`` are not usable. When there are more usable texts than asked, a seeded random choice is
+    taken, kept in the original order (with ``seed=None``: the first ``samples``); only as many texts as
+    that takes are tokenized. Fewer usable texts than asked is an InputError saying how many were found
+    and which key to lower (``{key}.samples``).
+    """
+    import torch
+
+    usable = _choose(texts, tokenizer, samples, max_seq_len, seed, key, min_tokens)
     return [torch.tensor(usable[i], dtype=torch.long) for i in sorted(usable)]
+
+
+def select_texts(texts: list[str], tokenizer: Any, samples: int, max_seq_len: int, seed: Optional[int],
+                 key: str = "quantization.calibration", min_tokens: int = 2) -> list[str]:
+    """The texts :func:`tokenize_samples` would choose, in the same order: what a runtime that tokenizes for
+    itself (TensorRT-LLM's quantizer) is given, so both paths calibrate on the same hashed data."""
+    usable = _choose(texts, tokenizer, samples, max_seq_len, seed, key, min_tokens)
+    return [texts[i] for i in sorted(usable)]
 
 
 def batches(samples: list[torch.Tensor], batch_size: int, pad_id: int) -> list[dict[str, torch.Tensor]]:

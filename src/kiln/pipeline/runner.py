@@ -23,6 +23,7 @@ from filelock import FileLock, Timeout
 from rich.console import Console
 from rich.table import Table
 
+from kiln.pipeline import preflight
 from kiln.pipeline.fingerprint import diff, digest, flatten, select, tool_versions
 from kiln.pipeline.registry import STEP_ORDER, load_steps
 from kiln.recipe.loader import LoadedRecipe
@@ -140,7 +141,8 @@ def gpu_component(loaded: LoadedRecipe) -> str:
     return f"{gpu.name} (sm_{gpu.sm})" if gpu else detected[0]
 
 
-def _components(spec: StepSpec, loaded: LoadedRecipe, upstream: dict[str, str], gpu: Optional[str]) -> dict:
+def _components(spec: StepSpec, loaded: LoadedRecipe, upstream: dict[str, str], gpu: Optional[str],
+                build_root: Path) -> dict:
     comps: dict[str, Any] = {
         "recipe": select(flatten(loaded.recipe), spec.keys, spec.ignore),
         "upstream": {name: upstream[name] for name in spec.after if name in upstream},
@@ -150,6 +152,9 @@ def _components(spec: StepSpec, loaded: LoadedRecipe, upstream: dict[str, str], 
         comps["inputs"] = spec.input_hashes(loaded)
     if gpu is not None:
         comps["gpu"] = gpu
+    runtime = spec.runtime(loaded, build_root) if spec.runtime is not None else None
+    if runtime is not None:
+        comps["runtime"] = runtime
     return comps
 
 
@@ -183,7 +188,7 @@ def schedule(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_ste
         if spec.gpu_dependent is not None and spec.gpu_dependent(loaded.recipe):
             gpu = gpu if gpu is not None else gpu_component(loaded)
             step_gpu = gpu
-        comps = _components(spec, loaded, fingerprints, step_gpu)
+        comps = _components(spec, loaded, fingerprints, step_gpu, layout.build_root)
         fp = digest(comps)
         fingerprints[name] = fp
         manifest, stored = _stored(spec, out_dir, loaded)
@@ -210,7 +215,8 @@ def schedule(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_ste
     return scheduled
 
 
-def describe_schedule(scheduled: list[ScheduledStep], loaded: LoadedRecipe, console: Console) -> None:
+def describe_schedule(scheduled: list[ScheduledStep], loaded: LoadedRecipe, console: Console,
+                      build_root: Path = Path("build")) -> None:
     """--dry-run: each step, run or skip and why, plus the step's own lines (e.g. the trtllm-build command)."""
     console.print(f"[bold]schedule for {loaded.recipe.name}[/] (target {loaded.recipe.target})")
     for p in scheduled:
@@ -220,7 +226,7 @@ def describe_schedule(scheduled: list[ScheduledStep], loaded: LoadedRecipe, cons
             why = "outside --from/--to (up to date)"
         console.print(f"  {mark} {p.spec.name:<9} {p.out_dir}  [dim]{why}[/]", highlight=False)
         if p.spec.describe is not None:
-            for line in p.spec.describe(loaded):
+            for line in p.spec.describe(loaded, build_root):
                 console.print(f"         {line}", markup=False, highlight=False)
 
 
@@ -298,7 +304,12 @@ def run(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_step: Op
     a shared step's complete output the registry lacks is pushed (see :mod:`kiln.pipeline.remote`)."""
     console = console or Console(stderr=True)
     t_start = time.monotonic()
-    schedule(loaded, layout, force, from_step, to_step)  # argument errors before waiting on a lock
+    first = schedule(loaded, layout, force, from_step, to_step)  # argument errors before waiting on a lock
+    problems = preflight.check(loaded, [p.spec.name for p in first if p.action == Action.RUN], layout.build_root)
+    if problems:  # before any work, and before waiting on another build: all at once
+        return RunSummary(loaded.recipe.name, [StepOutcome(p.spec.name, Status.NOT_RUN, out_dir=p.out_dir)
+                                               for p in first], preflight.PreflightError(problems),
+                          time.monotonic() - t_start)
     lock = _lock(layout.build_dir(loaded.recipe.name), console)
     outcomes: list[StepOutcome] = []
     failure: Optional[KilnError] = None
@@ -342,7 +353,7 @@ def run(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_step: Op
                         result = pulled.result
                     else:
                         ctx = StepContext(loaded, tmp, dict(inputs), dict(results), console, progress, p.out_dir,
-                                          p.fingerprint)
+                                          p.fingerprint, layout.build_root)
                         result = p.spec.fn(ctx)
                     if not isinstance(result, p.spec.result):
                         raise TypeError(f"step {name} returned {type(result).__name__}, "

@@ -139,6 +139,16 @@ class Target(_Frozen):
     device: Literal["cuda", "cpu"]
 
 
+class EngineFakeQuant(_Frozen):
+    """The engine runtime's ModelOpt preset (with edits) that reproduces what trtllm-build does to the weights of a
+    format it quantizes itself, for the quality gate."""
+
+    preset: str
+    disable: tuple[str, ...] = ()
+    per_channel: bool = False
+    source: str
+
+
 class _Format(_Frozen):
     name: str = ""
     label: str
@@ -158,6 +168,7 @@ class WeightFormat(_Format):
     calibration: Calibration = Calibration()
     modelopt_weight_scales: Optional[Literal["per_channel"]] = None
     trtllm_quantizes_weights: bool = False
+    engine_fake_quant: Optional[EngineFakeQuant] = None
     fp8_context_fmha: bool = False
 
     @property
@@ -255,6 +266,11 @@ class Registry(_Frozen):
                 problems += [f"{key}.support.{t}: unknown target (known: {', '.join(self.targets)})"
                              for t in fmt.support if t not in self.targets]
                 cuda = [fmt.fake_quant_needs_cuda.source] if fmt.fake_quant_needs_cuda else []
+                engine_fq = getattr(fmt, "engine_fake_quant", None)
+                if getattr(fmt, "trtllm_quantizes_weights", False) and engine_fq is None:
+                    problems.append(f"{key}.engine_fake_quant: needed (trtllm-build quantizes these weights, and "
+                                    "the engine runtime's quality gate must reproduce it)")
+                cuda += [engine_fq.source] if engine_fq else []
                 problems += [f"{key}.fake_quant_needs_cuda: unknown source {s!r}"
                              for s in cuda if s not in self.sources]
                 for target, sup in fmt.support.items():

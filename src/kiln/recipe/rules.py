@@ -11,7 +11,8 @@ from typing import Callable, Iterator
 from kiln.recipe.errors import Problem
 from kiln.recipe.formats import format_refusal, kv_cache_format, kv_cache_format_names, kv_refusal, weight_format
 from kiln.recipe.gpus import GPUSpec, known_gpu_names, lookup_gpu
-from kiln.recipe.schema import Recipe
+from kiln.recipe.containers import NGC_CONTAINERS
+from kiln.recipe.schema import Recipe, quantization_runtime
 
 Rule = Callable[[Recipe], Iterator[Problem]]
 RULES: list[Rule] = []
@@ -171,6 +172,55 @@ def calibration(r: Recipe) -> Iterator[Problem]:
     if c.batch_size > c.samples:
         yield err("quantization.calibration.batch_size", f"batch_size ({c.batch_size}) exceeds samples "
                   f"({c.samples})", "lower batch_size")
+
+
+@rule
+def engine_runtime(r: Recipe) -> Iterator[Problem]:
+    rt = r.engine_runtime
+    uses = r.target == "tensorrt" or quantization_runtime(r) == "engine"
+    if r.quantization.runtime == "engine" and r.target == "reference":
+        yield err("quantization.runtime", "the reference target runs on the CPU with kiln's own ModelOpt; it has no "
+                  "engine runtime", "set quantization.runtime: host (or auto)")
+    if not uses:
+        return
+    if rt.kind == "container" and rt.trtllm_version not in NGC_CONTAINERS:
+        known = ", ".join(NGC_CONTAINERS)
+        if rt.image is None:
+            yield err("engine_runtime.trtllm_version", f"no container in kiln's table ships TensorRT-LLM "
+                      f"{rt.trtllm_version!r}", f"use one of {known}, or name the image with engine_runtime.image")
+        else:
+            yield warn("engine_runtime.trtllm_version", f"kiln's container table does not know TensorRT-LLM "
+                       f"{rt.trtllm_version!r}: the TensorRT version in {rt.image} is not checked",
+                       f"known: {known}")
+    if rt.gpus != "all" and not all(part.strip().isdigit() for part in rt.gpus.split(",")):
+        yield err("engine_runtime.gpus", f"{rt.gpus!r} is neither `all` nor GPU indices", "e.g. all, 0, or 0,1")
+    if rt.kind == "local" and rt.image is not None:
+        yield warn("engine_runtime.image", "kind: local runs no container: the image is not used",
+                   "remove engine_runtime.image, or set engine_runtime.kind: container")
+    if r.target == "tensorrt" and quantization_runtime(r) == "host":
+        yield warn("quantization.runtime", "the checkpoint trtllm-build reads is exported by kiln's own ModelOpt, "
+                   f"not the one TensorRT-LLM {rt.trtllm_version} was made with",
+                   "for an engine you will serve, quantize in the engine runtime (quantization.runtime: engine); "
+                   "host is for calibrating and gating on a machine without a GPU")
+
+
+@rule
+def deployment(r: Recipe) -> Iterator[Problem]:
+    if r.target != "tensorrt":
+        return
+    ranks = r.parallelism.tp * r.parallelism.pp
+    multi_node = ranks > r.hardware.gpus_per_node
+    sp = r.engine.speculative
+    if multi_node and sp.mode == "draft_tokens_external":
+        yield err("engine.speculative.mode", f"draft+target decoding with tp × pp = {ranks} > hardware.gpus_per_node "
+                  f"({r.hardware.gpus_per_node}): TensorRT-LLM's orchestrator mode, which a draft+target pair with "
+                  "tp × pp > 1 needs, spawns its ranks on one node only",
+                  "fit the pair on one node (lower tp × pp), or drop speculative decoding for a multi-node model")
+    if multi_node and not r.serving.multinode_image:
+        yield warn("serving.multinode_image", f"tp × pp = {ranks} spans several nodes: the LeaderWorkerSet pods need "
+                   "the serving image plus sshd, which the stock NGC image lacks",
+                   "build deploy/<recipe>/Dockerfile.multinode (kiln writes it), push it, and set "
+                   "serving.multinode_image to the pushed name")
 
 
 def check_rules(recipe: Recipe) -> list[Problem]:

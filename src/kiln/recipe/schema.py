@@ -150,6 +150,13 @@ class QuantizationSection(Section):
     calibration: CalibrationSection = CalibrationSection()
     """Calibration data used to compute scales."""
 
+    runtime: Literal["auto", "engine", "host"] = "auto"
+    """Where calibration and export run. `engine`: in the engine runtime (`engine_runtime`), through TensorRT-LLM's
+    own ModelOpt integration, on the GPU — the checkpoint `trtllm-build` reads then comes from the ModelOpt that
+    TensorRT-LLM was made with, and evaluation runs there too. `host`: in kiln's own environment (its ModelOpt,
+    on this machine's CPU or GPU) — the reference target's path, and the way to calibrate and gate a tensorrt
+    recipe on a machine without a GPU. `auto`: `engine` for target tensorrt, `host` for reference."""
+
 
 class EvaluationSection(DataSource):
     enabled: bool = True
@@ -312,6 +319,41 @@ class ServingSection(Section):
     metrics_port: Annotated[int, Field(ge=1, le=65_535)] = 8002
     """Prometheus metrics port."""
 
+    multinode_image: Optional[str] = None
+    """Multi-node deployments (tp × pp above hardware.gpus_per_node): the image of the LeaderWorkerSet pods, built
+    from the Dockerfile.multinode kiln writes beside the deploy files (the serving image plus sshd, which the
+    stock NGC image lacks) and pushed to your registry. Empty: `kiln-trtllm-multinode:<serving tag>`, the name the
+    Dockerfile's build command gives."""
+
+
+class EngineRuntimeSection(Section):
+    kind: Literal["container", "local"] = "container"
+    """Where TensorRT-LLM work runs (its quantization, the engine build and the evaluation of what it quantized).
+    `container`: in the NGC image that will serve the engine (docker or podman with GPUs, or Apptainer on Slurm
+    clusters without docker), as the caller's uid:gid, inputs mounted read-only. `local`: on this machine, with the
+    interpreter named by `python` (a venv that has tensorrt_llm) and `trtllm-build` beside it or on PATH."""
+
+    trtllm_version: str = "1.2.1"
+    """TensorRT-LLM version: picks the image from kiln's container table (the same table that picks the serving
+    container), and the versions the runtime must report."""
+
+    image: Optional[str] = None
+    """Container image, overriding the one `trtllm_version` picks (e.g. a mirror, or `repo:tag@sha256:…` to pin a
+    digest; a `.sif` path for Apptainer). Empty: the table's newest `tritonserver:<yy.mm>-trtllm-python-py3`."""
+
+    container_engine: Literal["auto", "docker", "podman", "apptainer"] = "auto"
+    """Container engine for `kind: container`. `auto`: the first of docker, podman, apptainer (or singularity) found
+    on PATH."""
+
+    gpus: str = "all"
+    """GPUs the container sees: `all`, or device indices such as `0,1`."""
+
+    shm_size: str = "2g"
+    """Shared memory for the container (`--shm-size`), as NVIDIA's TensorRT-LLM container docs give it."""
+
+    python: Optional[str] = None
+    """`kind: local`: the Python interpreter (or venv directory) that has tensorrt_llm. Empty: `python3` on PATH."""
+
 
 class HardwareSection(Section):
     gpu: Optional[str] = None
@@ -398,6 +440,10 @@ class Recipe(Section):
     hardware: HardwareSection = HardwareSection()
     """Target hardware."""
 
+    engine_runtime: EngineRuntimeSection = EngineRuntimeSection()
+    """Where TensorRT-LLM's own work (quantization, engine build, evaluation) runs: kiln itself never imports
+    tensorrt_llm."""
+
     cache: CacheSection = CacheSection()
     """Remote cache of step outputs (CI engine builds): never part of any fingerprint."""
 
@@ -413,3 +459,11 @@ SECTIONS: tuple[str, ...] = tuple(Recipe.model_fields)
 
 #: Keys that were renamed, old dotted path → new one: recipes written for an older kiln get the new name as the fix.
 RENAMED_KEYS: dict[str, str] = {"build": "engine"}
+
+
+def quantization_runtime(recipe: Recipe) -> Literal["engine", "host"]:
+    """Where the recipe's calibration and export run (``quantization.runtime`` with `auto` resolved)."""
+    q = recipe.quantization.runtime
+    if q != "auto":
+        return q
+    return "engine" if recipe.target == "tensorrt" else "host"

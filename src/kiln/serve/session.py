@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -133,29 +134,42 @@ def stop_background(state_file: Path, timeout_s: float = 30) -> bool:
     return True
 
 
-def docker_command(repo: Path, image: Optional[str], cfg: ServerConfig, world_size: int = 1) -> list[str]:
-    """`docker run` of the NGC serving container on the repository (mounted read-only at /models)."""
+def docker_command(repo: Path, info: dict, cfg: ServerConfig) -> list[str]:
+    """`docker run` of the serving container named in the repository's kiln.json (the one that built the engine,
+    pinned by digest when known), the repository mounted read-only at /models. Inside, the repository's engine
+    check runs first (it refuses an engine built by other TensorRT-LLM/TensorRT versions, with the rebuild
+    command), then kiln.json's server command (mpirun leader mode or orchestrator mode included)."""
+    image = info.get("container")
     if not image:
         raise InputError(f"{repo}/kiln.json names no serving container: `--docker` serves tensorrt-target "
                          "repositories; serve the reference target without --docker")
     if shutil.which("docker") is None:
         raise InputError("docker is not installed here; serve without --docker, or run deploy/<recipe>/launch.sh "
                          "on a GPU host")
-    ports = [f"-p{cfg.host}:{p}:{p}" for p in (cfg.http_port, cfg.grpc_port, cfg.metrics_port)]
-    cmd = ["docker", "run", "--rm", "--gpus", "all", "--shm-size=4g", "--ulimit", "memlock=-1",
-           "--ulimit", "stack=67108864", *ports, "-v", f"{Path(repo).resolve()}:/models:ro", image]
-    server = ["tritonserver", "--model-repository=/models", f"--http-port={cfg.http_port}",
-              f"--grpc-port={cfg.grpc_port}", f"--metrics-port={cfg.metrics_port}", "--disable-auto-complete-config"]
-    if world_size > 1:
-        ranks = []
-        for rank in range(world_size):
-            extra = [f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
-            if rank:
-                extra += ["--model-control-mode=explicit", "--load-model=tensorrt_llm", "--allow-http=false",
-                          "--allow-grpc=false", "--allow-metrics=false"]
-            ranks += (["-n", "1"] + server + extra + ([":"] if rank < world_size - 1 else []))
-        return cmd + ["mpirun", "--allow-run-as-root", *ranks]
-    return cmd + server
+    server = list(info.get("server_command") or [])
+    if not server:
+        raise InputError(f"{repo}/kiln.json has no server_command: package the recipe again with this kiln")
+    check = list(info.get("check_command") or [])
+    container_ports = {flag: int(arg.split("=", 1)[1]) for arg in server for flag in ("--http-port", "--grpc-port",
+                                                                                       "--metrics-port")
+                       if arg.startswith(flag + "=")}
+    host_ports = {"--http-port": cfg.http_port, "--grpc-port": cfg.grpc_port, "--metrics-port": cfg.metrics_port}
+    ports = [f"-p{cfg.host}:{host_ports[flag]}:{port}" for flag, port in container_ports.items()]
+    inner = (shlex.join(check) + " && " if check else "") + "exec " + shlex.join(server)
+    return ["docker", "run", "--rm", "--gpus", "all", "--ipc=host", "--shm-size=4g", "--ulimit", "memlock=-1",
+            "--ulimit", "stack=67108864", *ports, "-v", f"{Path(repo).resolve()}:/models:ro", image, "bash", "-c",
+            inner]
+
+
+def check_engine_here(repo: Path, info: dict) -> None:
+    """Refuse to serve a tensorrt repository with a local tritonserver whose TensorRT-LLM/TensorRT are not the
+    ones that built the engine (the same check launch.sh runs in the container)."""
+    from kiln.runtime.workers.check_engine import installed, message, mismatches
+
+    found = installed()
+    problems = mismatches(info, found)
+    if problems:
+        raise InputError(message(info, found, problems))
 
 
 def run_docker(cmd: list[str]) -> int:

@@ -60,6 +60,8 @@ class StepContext:
     """Where out_dir will be renamed to when the step completes."""
     fingerprint: str = ""
     """This run's fingerprint of the step (recorded in its manifest)."""
+    build_root: Path = Path("build")
+    """The build root (``build/``): the engine runtime keeps its scratch directory under it."""
 
     @property
     def recipe(self) -> Recipe:
@@ -89,13 +91,14 @@ class StepContext:
                 progress.advance(task)
 
     @contextlib.contextmanager
-    def status(self, message: str) -> Iterator[None]:
-        """A spinner for work without countable steps."""
+    def status(self, message: str) -> Iterator[Callable[[str], None]]:
+        """A spinner for work without countable steps; yields a function that replaces its text (e.g. with the
+        elapsed time and the last line a long job printed)."""
         if not self.show_progress:
-            yield
+            yield lambda text: None
             return
-        with self.console.status(f"  {message}"):
-            yield
+        with self.console.status(f"  {message}") as spinner:
+            yield lambda text: spinner.update(f"  {message}: {text}")
 
 
 Files = Union[tuple[str, ...], Callable[[Recipe], tuple[str, ...]]]
@@ -133,11 +136,14 @@ class StepSpec(Generic[R]):
     after: tuple[str, ...] = ()
     tools: tuple[str, ...] = ()
     input_hashes: Optional[Callable[[LoadedRecipe], dict[str, str]]] = None
+    runtime: Optional[Callable[[LoadedRecipe, Path], Optional[dict[str, str]]]] = None
+    """When given and not None for the recipe (and build root): the engine runtime the step runs in (its image
+    and digest, or interpreter), which the fingerprint covers. Cheap: starts nothing."""
     gpu_dependent: Optional[Callable[[Recipe], bool]] = None
     """When given and true for the recipe, the fingerprint covers the GPU the step runs on (``hardware.gpu``
     when declared, else the GPU detected here)."""
-    describe: Optional[Callable[[LoadedRecipe], list[str]]] = None
-    """Extra lines for --dry-run (e.g. the exact trtllm-build invocation)."""
+    describe: Optional[Callable[[LoadedRecipe, Path], list[str]]] = None
+    """Extra lines for --dry-run, given the recipe and the build root (e.g. the exact engine-runtime command)."""
     output_dir: Optional[Callable[[LoadedRecipe, Path], Path]] = None
     """Where the final output lives, given the recipe and the repository root (default: build/<recipe>/<step>)."""
     check: Optional[Callable[[Recipe, R], Optional[str]]] = None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -26,9 +27,11 @@ from kiln.models.loading import load_model, load_tokenizer, read_config, resolve
 from kiln.recipe.formats import gentler_alternatives
 from kiln.recipe.gpus import lookup_gpu
 from kiln.recipe.loader import LoadedRecipe
-from kiln.recipe.schema import Recipe
+from kiln.recipe.schema import Recipe, quantization_runtime
+from kiln.runtime.workers.evaluate import nll_and_kl
 from kiln.steps.base import Gate, StepContext, StepResult, StepSpec
 from kiln.steps.quantize import CHECKPOINT_DIR, MODELOPT_STATE, QUANT_RECORD, RESTORE_CHECK, quiet_stdout
+from kiln.steps.runtime_jobs import runtime_identity
 from kiln.util.errors import KilnError
 
 QUALITY_FILE = "quality.json"
@@ -51,6 +54,8 @@ class EvaluateResult(StepResult):
     ppl_increase_pct: Optional[float] = None
     mean_kl: Optional[float] = None
     seconds: Optional[float] = None
+    graded_in: Optional[str] = None
+    """`host`, or the engine runtime (and its device) that graded the quantizers it calibrated."""
 
     def figures(self) -> dict:
         """The measured figures (no summary, nothing unset): what kiln.json and sweep tables show."""
@@ -154,20 +159,6 @@ def _check_restore(model: Any, check_file: Path) -> None:
                         "another ModelOpt/torch version: re-run the quantize step")
 
 
-def _nll_and_kl(base_logits: Any, quant_logits: Any, ids: Any, mask: Any) -> tuple[float, float, float, int]:
-    """Sums over the batch's predicted tokens: (NLL base, NLL quant, KL(base‖quant), token count)."""
-    import torch
-
-    target = ids[:, 1:]
-    valid = (mask[:, 1:] * mask[:, :-1]).bool()
-    logp_b = torch.log_softmax(base_logits[:, :-1].float(), dim=-1)
-    logp_q = torch.log_softmax(quant_logits[:, :-1].float(), dim=-1)
-    nll_b = -logp_b.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    nll_q = -logp_q.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    kl = (logp_b.exp() * (logp_b - logp_q)).sum(-1)
-    return (float(nll_b[valid].sum()), float(nll_q[valid].sum()), float(kl[valid].sum()), int(valid.sum()))
-
-
 def evaluate(ctx: StepContext) -> EvaluateResult:
     """Measure perplexity and KL of the quantized model against the unquantized one; write quality.json."""
     started = time.perf_counter()
@@ -198,29 +189,15 @@ def evaluate(ctx: StepContext) -> EvaluateResult:
     texts = load_texts(ev, "evaluation")
     seqs = tokenize_samples(texts, tokenizer, ev.samples, ev.max_seq_len, seed=None, key="evaluation", min_tokens=2)
 
-    import torch
-
     dtype = resolve_dtype("auto", read_config(ckpt))
-    with ctx.status("loading the unquantized and quantized models"):
-        base = load_model(ckpt, dtype, trust)
-        quant = _restored(ckpt, dtype, trust)
-        _check_restore(quant, Path(quant_dir) / RESTORE_CHECK)
-
-    vocab = int(base.config.vocab_size)
-    batch_size = max(1, min(16, _LOGITS_BUDGET // max(1, ev.max_seq_len * vocab)))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    device = next(base.parameters()).device
-    nll_b = nll_q = kl_sum = 0.0
-    tokens = 0
-    batch_list = batches(seqs, batch_size, pad_id)
-    with torch.no_grad():
-        for batch in ctx.track(batch_list, "evaluating", total=len(batch_list)):
-            ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-            lb = base(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            lq = quant(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            b, q, k, n = _nll_and_kl(lb, lq, ids, mask)
-            nll_b, nll_q, kl_sum, tokens = nll_b + b, nll_q + q, kl_sum + k, tokens + n
-    del base, quant
+    vocab = int(read_config(ckpt).get("vocab_size") or 32000)
+    batch_size = max(1, min(16, _LOGITS_BUDGET // max(1, ev.max_seq_len * vocab)))
+    if quantization_runtime(recipe) == "engine":
+        nll_b, nll_q, kl_sum, tokens, where = _sums_in_runtime(ctx, Path(quant_dir), seqs, dtype, batch_size, pad_id)
+    else:
+        nll_b, nll_q, kl_sum, tokens = _sums_on_host(ctx, Path(quant_dir), seqs, dtype, batch_size, pad_id)
+        where = "host"
     if tokens == 0:
         raise KilnError("the evaluation text gave no tokens to predict")
     ppl_b, ppl_q = math.exp(nll_b / tokens), math.exp(nll_q / tokens)
@@ -230,13 +207,82 @@ def evaluate(ctx: StepContext) -> EvaluateResult:
         "ppl_increase_pct": round((ppl_q / ppl_b - 1.0) * 100.0, 4),
         "mean_kl": round(kl_sum / tokens, 8),
         "seconds": round(time.perf_counter() - started, 3),
+        "graded_in": where,
     }
     _write_quality(out, {"skipped": False, **figures,
                          "gate": {"max_ppl_increase_pct": ev.max_ppl_increase_pct, "max_kl": ev.max_kl}})
     _print_table(ctx, figures, recipe)
     summary = (f"ppl {figures['base_perplexity']:.3f} → {figures['quant_perplexity']:.3f} "
-               f"({figures['ppl_increase_pct']:+.2f}%), KL {figures['mean_kl']:.5f}")
+               f"({figures['ppl_increase_pct']:+.2f}%), KL {figures['mean_kl']:.5f}"
+               + ("" if where == "host" else f" (graded in {where})"))
     return EvaluateResult(summary=summary, **figures)
+
+
+def _sums_on_host(ctx: StepContext, quant_dir: Path, seqs: list, dtype: str, batch_size: int,
+                  pad_id: int) -> tuple[float, float, float, int]:
+    """The evaluation sums with kiln's own ModelOpt (the checkpoint was quantized on the host)."""
+    import torch
+
+    trust = ctx.recipe.model.trust_remote_code
+    ckpt = quant_dir / CHECKPOINT_DIR
+    with ctx.status("loading the unquantized and quantized models"):
+        base = load_model(ckpt, dtype, trust)
+        quant = _restored(ckpt, dtype, trust)
+        _check_restore(quant, Path(quant_dir) / RESTORE_CHECK)
+
+    device = next(base.parameters()).device
+    nll_b = nll_q = kl_sum = 0.0
+    tokens = 0
+    batch_list = batches(seqs, batch_size, pad_id)
+    with torch.no_grad():
+        for batch in ctx.track(batch_list, "evaluating", total=len(batch_list)):
+            ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+            lb = base(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            lq = quant(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            b, q, k, n = nll_and_kl(lb, lq, ids, mask)
+            nll_b, nll_q, kl_sum, tokens = nll_b + b, nll_q + q, kl_sum + k, tokens + n
+    del base, quant
+    return nll_b, nll_q, kl_sum, tokens
+
+
+def _sums_in_runtime(ctx: StepContext, quant_dir: Path, seqs: list, dtype: str, batch_size: int,
+                     pad_id: int) -> tuple[float, float, float, int, str]:
+    """The evaluation sums from the evaluate worker in the engine runtime: the quantizers the runtime's ModelOpt
+    calibrated are graded by that same ModelOpt."""
+    from kiln.runtime.engine_runtime import engine_runtime_for
+    from kiln.steps.runtime_jobs import evaluate_job, evaluate_job_file, evaluate_mounts, write_job_file
+
+    out = Path(ctx.out_dir)
+    rt = engine_runtime_for(ctx.recipe, ctx.build_root)
+    job = evaluate_job(rt, evaluate_mounts(quant_dir, out))
+    job_dir = out / "job"
+    write_job_file(job_dir, "evaluate", evaluate_job_file(rt.paths(job), dtype, batch_size, pad_id))
+    (job_dir / "sequences.json").write_text(json.dumps([[int(t) for t in s] for s in seqs]), encoding="utf-8")
+    ctx.log("  " + shlex.join(rt.command(job)))
+    with ctx.status("evaluating in the engine runtime") as update:
+        rt.run(job, out / "logs" / "evaluate.log", update)
+    try:
+        report = json.loads((job_dir / "evaluate.result.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise KilnError(f"the evaluate worker wrote no report ({exc}); see {out / 'logs' / 'evaluate.log'}") from None
+    return (float(report["nll_base"]), float(report["nll_quant"]), float(report["kl"]), int(report["tokens"]),
+            f"{rt.describe()} ({report.get('device')})")
+
+
+def describe(loaded: LoadedRecipe, build_root: Path = Path("build")) -> list[str]:
+    """--dry-run: where the quality gate's figures are measured (in the engine runtime: the exact command)."""
+    r = loaded.recipe
+    if not r.evaluation.enabled:
+        return ["evaluation off: no quality gate"]
+    if quantization_runtime(r) != "engine":
+        return [f"perplexity and KL on {r.evaluation.samples} sequences of {r.evaluation.dataset}, with kiln's ModelOpt"]
+    from kiln.runtime.engine_runtime import engine_runtime_for
+    from kiln.steps.runtime_jobs import evaluate_job, evaluate_mounts
+
+    rt = engine_runtime_for(r, build_root)
+    base = build_root / r.name
+    job = evaluate_job(rt, evaluate_mounts(base / "quantize", base / "evaluate"))
+    return ["$ " + shlex.join(rt.command(job))]
 
 
 def _print_table(ctx: StepContext, f: dict, recipe: Recipe) -> None:
@@ -267,6 +313,8 @@ SPEC = StepSpec(
     after=("quantize",),
     tools=("nvidia-modelopt", "torch", "transformers"),
     input_hashes=evaluate_input_hashes,
+    runtime=runtime_identity("evaluate"),
+    describe=describe,
     files=(QUALITY_FILE,),
     check=check_gate,
     gates=quality_gates,

@@ -13,7 +13,8 @@ from kiln.recipe.schema import HF_PREFIX, Recipe
 from kiln.steps.base import StepContext, StepResult, StepSpec
 from kiln.steps.evaluate import EvaluateResult
 from kiln.steps.resolve import ResolveResult
-from kiln.steps.engine import ENGINE_SUBDIR
+from kiln.steps.engine import ENGINE_SUBDIR, EngineResult
+from kiln.steps.placement import Placement, place_draft_target
 from kiln.triton.lint import lint_repository
 from kiln.triton.repository import RepoInputs, standin_engine_config, write_repository
 from kiln.util.artifacts import atomic_dir
@@ -45,19 +46,25 @@ def _engine_dir(recipe: Recipe, build_dir: Path, quantize_dir: Path, max_seq_len
     return d
 
 
-def _draft_inputs(ctx: StepContext, scratch: Path, max_seq_len: int) -> Optional[RepoInputs]:
+def _draft_loaded(ctx: StepContext) -> Optional[LoadedRecipe]:
     r = ctx.recipe
     ref = r.engine.speculative.draft_recipe
     if r.engine.speculative.mode != "draft_tokens_external" or not ref:
         return None
     base = ctx.loaded.path.parent if ctx.loaded.path else Path(".")
-    draft = load_recipe(base / ref).recipe
+    return load_recipe(base / ref)
+
+
+def _draft_inputs(ctx: StepContext, draft_loaded: LoadedRecipe, scratch: Path, max_seq_len: int,
+                  placement: Optional[Placement]) -> RepoInputs:
+    draft = draft_loaded.recipe
     build_root = ctx.inputs["engine"].parent.parent
     q, b = build_root / draft.name / "quantize", build_root / draft.name / "engine"
     if not (q / "manifest.json").is_file() or not (b / "manifest.json").is_file():
-        raise InputError(f"the draft model {draft.name} is not built: run `kiln build {base / ref}` first")
+        raise InputError(f"the draft model {draft.name} is not built: run `kiln build {draft_loaded.path}` first")
     return RepoInputs(draft, q / CHECKPOINT, _engine_dir(draft, b, q, max_seq_len, scratch, "draft-engine"),
-                      q / CHECKPOINT)
+                      q / CHECKPOINT, kv_tokens=placement.kv_tokens if placement else None,
+                      gpu_device_ids=placement.draft_devices if placement else None)
 
 
 class PackageResult(StepResult):
@@ -72,31 +79,39 @@ def package(ctx: StepContext) -> PackageResult:
     r = ctx.recipe
     quantize_dir, build_dir = ctx.inputs["quantize"], ctx.inputs["engine"]
     max_seq_len = int(ctx.result(ResolveResult).max_seq_len or r.engine.max_seq_len or r.engine.max_input_len)
-    engine_info = json.loads((build_dir / "engine.json").read_text())
-    versions = {k: engine_info[k] for k in ("tensorrt_llm", "tensorrt") if k in engine_info}
+    engine = ctx.result(EngineResult)
+    versions = {k: v for k, v in (("tensorrt_llm", engine.tensorrt_llm), ("tensorrt", engine.tensorrt)) if v}
     quality = ctx.result(EvaluateResult)
+    draft_loaded = _draft_loaded(ctx)
+    placement = place_draft_target(ctx.loaded, draft_loaded) if draft_loaded and r.target == "tensorrt" else None
+    if placement is not None:
+        ctx.log(f"  draft+target: {placement.note}" + (" (orchestrator mode)" if placement.orchestrator else ""))
     with tempfile.TemporaryDirectory(prefix="kiln-package-") as scratch_name:
         scratch = Path(scratch_name)
         inputs = RepoInputs(
             recipe=r, tokenizer_dir=quantize_dir / CHECKPOINT,
             engine_dir=_engine_dir(r, build_dir, quantize_dir, max_seq_len, scratch, "engine"),
             checkpoint_dir=quantize_dir / CHECKPOINT, fingerprint=ctx.fingerprint,
-            versions=versions, draft=_draft_inputs(ctx, scratch, max_seq_len),
-            quality=quality.figures() or None)
+            versions=versions,
+            draft=_draft_inputs(ctx, draft_loaded, scratch, max_seq_len, placement) if draft_loaded else None,
+            quality=quality.figures() or None, image=engine.image, image_digest=engine.image_digest,
+            kv_tokens=placement.kv_tokens if placement else None,
+            gpu_device_ids=placement.target_devices if placement else None,
+            orchestrator=bool(placement and placement.orchestrator))
         with ctx.status("writing the Triton repository"):
-            info = write_repository(inputs, ctx.out_dir, max_seq_len)
+            info = write_repository(inputs, ctx.out_dir, max_seq_len, final=ctx.final_dir)
     findings = lint_repository(ctx.out_dir)
     errors = [f for f in findings if f.severity == "error"]
     if errors:
         raise KilnError("the packaged repository fails kiln lint:\n  " + "\n  ".join(f.format() for f in errors))
-    deploy_files = _write_deploy(ctx, info)
+    deploy_files = _write_deploy(ctx, info, placement)
     return PackageResult(summary=f"{len(info['models'])} models, lint clean"
                          + (f", container {info['container']}" if info["container"] else ", reference runtime (CPU)"),
                          models=len(info["models"]), container=info["container"] or "",
                          deploy=str(deploy_files) if deploy_files else "")
 
 
-def _write_deploy(ctx: StepContext, info: dict) -> Optional[Path]:
+def _write_deploy(ctx: StepContext, info: dict, placement: Optional[Placement]) -> Optional[Path]:
     """Deployment files for the tensorrt target (the reference target is served locally by `kiln serve`)."""
     r = ctx.recipe
     if r.target != "tensorrt" or ctx.final_dir is None:
@@ -105,7 +120,9 @@ def _write_deploy(ctx: StepContext, info: dict) -> Optional[Path]:
 
     deploy = DeployInfo.from_recipe(
         r, info["container"], hub_token_secret="hf-token" if r.model.source.startswith(HF_PREFIX) else None,
-        draft_model_name="tensorrt_llm_draft" if "tensorrt_llm_draft" in info["models"] else None)
+        draft_model_name="tensorrt_llm_draft" if "tensorrt_llm_draft" in info["models"] else None,
+        orchestrator=bool(placement and placement.orchestrator),
+        orchestrator_gpus=_gpus_used(placement))
     final = deploy_dir_for(ctx.final_dir)
     with atomic_dir(final) as tmp:
         written = write_deploy_files(deploy, tmp, model_repo=ctx.final_dir)
@@ -113,6 +130,13 @@ def _write_deploy(ctx: StepContext, info: dict) -> Optional[Path]:
         if problems:
             raise KilnError("generated Kubernetes manifests do not validate:\n  " + "\n  ".join(problems))
     return final
+
+
+def _gpus_used(placement: Optional[Placement]) -> int:
+    if placement is None:
+        return 0
+    ids = {int(i) for spec in (placement.target_devices, placement.draft_devices) for i in spec.split(",") if i}
+    return max(ids) + 1 if ids else 0
 
 
 def _sources_hash(loaded: LoadedRecipe) -> dict[str, str]:
@@ -124,7 +148,20 @@ def _sources_hash(loaded: LoadedRecipe) -> dict[str, str]:
     h = hashlib.sha256()
     for p in sorted(models_source().rglob("*.py")):
         h.update(p.relative_to(models_source()).as_posix().encode() + p.read_bytes())
-    return {"triton_models": h.hexdigest()}
+    from kiln.triton.repository import check_engine_script
+
+    h.update(check_engine_script().read_bytes())
+    hashes = {"triton_models": h.hexdigest()}
+    ref = loaded.recipe.engine.speculative.draft_recipe if loaded is not None else None
+    if ref and loaded.recipe.engine.speculative.mode == "draft_tokens_external":
+        base = loaded.path.parent if loaded.path else Path(".")
+        try:
+            draft = load_recipe(base / ref).recipe
+            hashes["draft_recipe"] = hashlib.sha256((base / ref).read_bytes()).hexdigest()
+            hashes["draft_name"] = draft.name
+        except (OSError, KilnError):
+            hashes["draft_recipe"] = "unreadable"
+    return hashes
 
 
 def _output_dir(loaded: LoadedRecipe, repo_root: Path) -> Path:
@@ -143,7 +180,8 @@ SPEC = StepSpec(
     name="package",
     fn=package,
     result=PackageResult,
-    keys=("serving", "engine", "target", "model.dtype", "hardware.gpus_per_node", "parallelism"),
+    keys=("serving", "engine", "target", "model.dtype", "hardware.gpus_per_node", "hardware.gpu", "hardware.count",
+          "parallelism"),
     files=required_files,
     after=("resolve", "quantize", "evaluate", "engine"),
     tools=("tritonclient",),

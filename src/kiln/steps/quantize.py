@@ -48,17 +48,21 @@ from kiln.models.loading import (
 )
 from kiln.recipe.formats import kv_cache_format, registry, weight_format
 from kiln.recipe.loader import LoadedRecipe
-from kiln.recipe.schema import Recipe
+from kiln.recipe.schema import Recipe, quantization_runtime
 from kiln.steps.base import StepContext, StepResult, StepSpec
+from kiln.steps.runtime_jobs import (
+    CHECKPOINT_DIR,
+    MODELOPT_STATE,
+    PROBE_TEXT,
+    RESTORE_CHECK,
+    TRTLLM_DIR,
+    runtime_identity,
+)
 from kiln.util.errors import InputError, KilnError
 
 if TYPE_CHECKING:
     import torch
 
-CHECKPOINT_DIR = "checkpoint"
-TRTLLM_DIR = "trtllm_checkpoint"
-MODELOPT_STATE = "modelopt_state.pth"
-RESTORE_CHECK = "restore_check.safetensors"
 QUANT_RECORD = "kiln_quantization.json"
 
 #: Tokens of the probe whose logits ``restore_check.safetensors`` records.
@@ -327,10 +331,28 @@ class QuantizeResult(StepResult):
     calib_seconds: float
     export_seconds: float
     seconds: float
+    produced_by: dict[str, Optional[str]] = {}
+    """Which ModelOpt, in which environment, produced the checkpoint: `environment` (`host`, or the engine
+    runtime's image/interpreter), `modelopt`, `tensorrt_llm` (engine runtime only), `device`."""
+
+
+def host_environment() -> dict[str, Optional[str]]:
+    """kiln's own environment, for ``produced_by``."""
+    from importlib import metadata
+
+    import torch
+
+    return {"environment": "host (kiln's environment)", "modelopt": metadata.version("nvidia-modelopt"),
+            "tensorrt_llm": None,
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
 
 
 def quantize(ctx: StepContext) -> QuantizeResult:
     """Calibrate and export the recipe's model into ``ctx.out_dir`` (see the module docstring)."""
+    if quantization_runtime(ctx.recipe) == "engine":
+        from kiln.steps.quantize_runtime import quantize_in_runtime
+
+        return quantize_in_runtime(ctx)
     started = time.perf_counter()
     recipe = ctx.recipe
     q = recipe.quantization
@@ -391,7 +413,7 @@ def quantize(ctx: StepContext) -> QuantizeResult:
     from safetensors.torch import save_file
 
     probe = (samples[0] if samples else torch.tensor(
-        tokenizer("kiln probe: the quick brown fox jumps over the lazy dog.")["input_ids"]))[:PROBE_TOKENS][None, :]
+        tokenizer(PROBE_TEXT)["input_ids"]))[:PROBE_TOKENS][None, :]
     save_file({"input_ids": probe.contiguous(), "logits": _probe_logits(model, probe).contiguous()},
               str(out / RESTORE_CHECK))
     mto.save(model, str(ckpt / MODELOPT_STATE))
@@ -409,6 +431,7 @@ def quantize(ctx: StepContext) -> QuantizeResult:
         else None,
         "block_size": q.awq_block_size if weight_format(q.format).uses_awq_block_size else None,
         "calib_samples": len(samples), "calib_data": data_hash, "modelopt_state": MODELOPT_STATE,
+        "produced_by": host_environment(),
     }
     (ckpt / QUANT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     del model  # refcounting frees it; a full gc.collect() here costs more than a small model's calibration
@@ -419,7 +442,7 @@ def quantize(ctx: StepContext) -> QuantizeResult:
         calib_samples=len(samples), calib_data=data_hash, params=info.parameters, checkpoint=CHECKPOINT_DIR,
         trtllm_checkpoint=TRTLLM_DIR if recipe.target == "tensorrt" else None,
         load_seconds=round(load_s, 3), calib_seconds=round(calib_s, 3), export_seconds=round(export_s, 3),
-        seconds=round(time.perf_counter() - started, 3),
+        seconds=round(time.perf_counter() - started, 3), produced_by=record["produced_by"],
     )
 
 
@@ -530,10 +553,14 @@ def required_files(recipe: Recipe) -> tuple[str, ...]:
     return files
 
 
-def describe(loaded: LoadedRecipe) -> list[str]:
-    """Lines for --dry-run."""
+def describe(loaded: LoadedRecipe, build_root: Path = Path("build")) -> list[str]:
+    """Lines for --dry-run (in the engine runtime: the exact command line)."""
     r = loaded.recipe
     q = r.quantization
+    if quantization_runtime(r) == "engine":
+        from kiln.steps.quantize_runtime import describe_in_runtime
+
+        return describe_in_runtime(loaded, build_root)
     fmt, kv = weight_format(q.format), kv_cache_format(q.kv_cache)
     name = fmt.modelopt_config or "no weight quantization"
     if fmt.modelopt_weight_scales == "per_channel":
@@ -557,6 +584,7 @@ SPEC = StepSpec(
     keys=("model", "quantization", "parallelism", "target"),
     tools=("nvidia-modelopt", "torch", "transformers"),
     input_hashes=quantize_input_hashes,
+    runtime=runtime_identity("quantize"),
     describe=describe,
     files=required_files,
 )

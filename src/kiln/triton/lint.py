@@ -21,7 +21,7 @@ from tritonclient.grpc import model_config_pb2
 
 from kiln.recipe.formats import kv_format_for_quant_algo
 from kiln.triton.models.kiln_triton_utils import parse_bool, parse_int
-from kiln.triton.upstream import NGC_CONTAINERS
+from kiln.triton.upstream import LOGITS_TRITON_TYPE, NGC_CONTAINERS
 
 CONTAINER_MODEL_ROOT = "/models"  # where kiln's deploy files mount the repository in the serving container
 PLACEHOLDER = re.compile(r"\$\{[^}]*\}")
@@ -231,6 +231,16 @@ def check_engine_agreement(m: Model, repo: Path) -> Iterable[Finding]:
             yield Finding("error", m.name, file, m.param_line(key) or m.line_of("parameters"),
                           f"{key} is on but {why}",
                           f'set {key} to "false", or rebuild with engine.use_paged_context_fmha: true')
+    logits_dtype = (cfg.get("pretrained_config", {}) or {}).get("logits_dtype") or "float32"
+    want = LOGITS_TRITON_TYPE.get(logits_dtype)
+    for out in m.config.output:
+        if out.name in ("context_logits", "generation_logits") and want is not None:
+            got = model_config_pb2.DataType.Name(out.data_type)
+            if got != want:
+                yield Finding("error", m.name, file, m.line_of(rf'name:\s*"{out.name}"'),
+                              f"{out.name} is declared {got} but the engine's logits are {logits_dtype}: the backend "
+                              "returns garbage or asserts", f"declare it {want}, or rebuild with --logits_dtype "
+                              f"{'float16' if got == 'TYPE_FP16' else 'float32'}")
     gmt = m.param("gpt_model_type")
     if gmt in ("inflight_fused_batching", "inflight_batching") and not paged:
         yield Finding("error", m.name, file, m.param_line("gpt_model_type"),

@@ -31,7 +31,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from kiln.recipe.schema import Recipe
 from kiln.triton.lint import CONTAINER_MODEL_ROOT
-from kiln.triton.upstream import MODELS, TensorSpec, container_for
+from kiln.recipe.containers import container_for, strip_digest
+from kiln.triton.upstream import LOGITS_TRITON_TYPE, MODELS, TensorSpec
 from kiln.util.artifacts import link_tree
 
 # kiln's Python models implement these tensors (see src/kiln/triton/models/*/model.py).
@@ -54,6 +55,11 @@ BLS_INPUTS = ("text_input", "max_tokens", "bad_words", "stop_words", "exclude_in
 BLS_OUTPUTS = ("text_output", "cum_log_probs", "output_log_probs")
 FILLED_TYPES = {"${logits_datatype}": "TYPE_FP32", "${prompt_embedding_table_data_type}": "TYPE_FP16",
                 "${encoder_input_features_data_type}": "TYPE_FP16"}
+#: The engine's logits dtype kiln builds with (trtllm-build --logits_dtype), and the Triton type of the logits
+#: tensors for each dtype an engine config can hold (pretrained_config.logits_dtype; upstream's templates leave
+#: it to ${logits_datatype}, which every upstream example fills with TYPE_FP32).
+LOGITS_DTYPE = "float32"
+LOGITS_TENSORS = ("context_logits", "generation_logits")
 PYTHON_MODEL_SOURCES = {"preprocessing": "preprocessing", "postprocessing": "postprocessing",
                         "tensorrt_llm": "reference", "tensorrt_llm_draft": "reference", "tensorrt_llm_bls": "bls"}
 
@@ -72,6 +78,15 @@ class RepoInputs:
     versions: dict[str, str] = field(default_factory=dict)
     draft: Optional["RepoInputs"] = None
     quality: Optional[dict] = None
+    image: Optional[str] = None
+    """tensorrt: the serving image (the engine runtime's, pinned by digest when known); None: the table's."""
+    image_digest: Optional[str] = None
+    kv_tokens: Optional[int] = None
+    """KV-cache token cap the planner gave this model (draft+target on shared GPUs)."""
+    gpu_device_ids: Optional[str] = None
+    """GPUs this model uses (draft+target placement); None: the recipe's serving.gpu_device_ids."""
+    orchestrator: bool = False
+    """Served in TensorRT-LLM's orchestrator mode (draft+target with tp × pp > 1)."""
 
 
 def standin_engine_config(recipe: Recipe, max_seq_len: int, quantization: Optional[dict] = None,
@@ -88,6 +103,7 @@ def standin_engine_config(recipe: Recipe, max_seq_len: int, quantization: Option
             "mapping": {"world_size": recipe.parallelism.tp * recipe.parallelism.pp, "tp_size": recipe.parallelism.tp,
                         "pp_size": recipe.parallelism.pp},
             "quantization": quantization or {},
+            "logits_dtype": LOGITS_DTYPE,
         },
         "build_config": {
             "max_batch_size": b.max_batch_size, "max_input_len": b.max_input_len,
@@ -191,7 +207,25 @@ def postprocessing_config(r: Recipe):
     return c
 
 
-def trtllm_config(r: Recipe, name: str, max_seq_len: int, engine_cfg: dict):
+def logits_type(engine_cfg: dict) -> str:
+    """The Triton type of the logits tensors for an engine (its ``pretrained_config.logits_dtype``, float32 when
+    the config names none, as TensorRT-LLM's runtime reads it)."""
+    dtype = (engine_cfg.get("pretrained_config") or {}).get("logits_dtype") or "float32"
+    if dtype not in LOGITS_TRITON_TYPE:
+        raise ValueError(f"engine logits_dtype {dtype!r}: TensorRT-LLM allows {', '.join(LOGITS_TRITON_TYPE)}")
+    return LOGITS_TRITON_TYPE[dtype]
+
+
+def set_logits_type(config, triton_type: str) -> None:
+    """Declare the logits outputs of a config with the engine's type (they must agree, or the backend returns
+    garbage or asserts)."""
+    for out in config.output:
+        if out.name in LOGITS_TENSORS:
+            out.data_type = mc.DataType.Value(triton_type)
+
+
+def trtllm_config(r: Recipe, name: str, max_seq_len: int, engine_cfg: dict, kv_tokens: Optional[int] = None,
+                  gpu_device_ids: Optional[str] = None):
     """The tensorrt_llm model: the C++ tensorrtllm backend (tensorrt) or kiln's CPU runtime (reference)."""
     up = MODELS["tensorrt_llm"]
     s = r.serving
@@ -206,12 +240,13 @@ def trtllm_config(r: Recipe, name: str, max_seq_len: int, engine_cfg: dict):
         "max_beam_width": r.engine.max_beam_width,
         "exclude_input_in_output": s.exclude_input_in_output,
         "enable_kv_cache_reuse": s.enable_kv_cache_reuse,
-        "max_tokens_in_paged_kv_cache": s.max_tokens_in_paged_kv_cache,
+        "max_tokens_in_paged_kv_cache": min(c for c in (s.max_tokens_in_paged_kv_cache, kv_tokens) if c)
+        if (s.max_tokens_in_paged_kv_cache or kv_tokens) else None,
         "cancellation_check_period_ms": 100,
     }
     if reference:
         b = engine_cfg["build_config"]
-        kv_tokens = s.max_tokens_in_paged_kv_cache or b["max_batch_size"] * b["max_seq_len"]
+        ref_tokens = s.max_tokens_in_paged_kv_cache or b["max_batch_size"] * b["max_seq_len"]
         set_parameters(c, {**common,
                     "gpt_model_path": "1/engine",
                     "model_dir": "1/checkpoint", "modelopt_state": "modelopt_state.pth",
@@ -219,7 +254,7 @@ def trtllm_config(r: Recipe, name: str, max_seq_len: int, engine_cfg: dict):
                     "dtype": r.model.dtype if r.model.dtype != "auto" else None,
                     "max_batch_size": b["max_batch_size"], "max_seq_len": b["max_seq_len"],
                     "max_num_tokens": b["max_num_tokens"], "tokens_per_block": b["plugin_config"]["tokens_per_block"],
-                    "max_tokens_in_paged_kv_cache": kv_tokens,
+                    "max_tokens_in_paged_kv_cache": ref_tokens,
                     "num_threads": s.cpu_threads})
     else:
         set_parameters(c, {**common,
@@ -230,7 +265,8 @@ def trtllm_config(r: Recipe, name: str, max_seq_len: int, engine_cfg: dict):
                     "kv_cache_free_gpu_mem_fraction": s.kv_cache_free_gpu_mem_fraction,
                     "kv_cache_host_memory_bytes": s.kv_cache_host_memory_bytes,
                     "enable_chunked_context": s.enable_chunked_context,
-                    "gpu_device_ids": ",".join(map(str, s.gpu_device_ids)) if s.gpu_device_ids else None,
+                    "gpu_device_ids": gpu_device_ids or (",".join(map(str, s.gpu_device_ids))
+                                                         if s.gpu_device_ids else None),
                     "normalize_log_probs": True,
                     "stats_check_period_ms": 100,
                     "kv_cache_onboard_blocks": True,
@@ -240,6 +276,7 @@ def trtllm_config(r: Recipe, name: str, max_seq_len: int, engine_cfg: dict):
         # upstream's parse leaves empty strings in place; _params skips None only
         for key in ("tokenizer_dir", "xgrammar_tokenizer_info_path", "guided_decoding_backend"):
             c.parameters[key].string_value = ""
+    set_logits_type(c, logits_type(engine_cfg))
     return c
 
 
@@ -327,21 +364,26 @@ def _write_config(dst: Path, config) -> None:
     (dst / "config.pbtxt").write_text(render(config))
 
 
+CHECK_SCRIPT = "kiln_check_engine.py"
+
+
+def check_engine_script() -> Path:
+    """The standalone script that compares the engine's versions with the serving environment's (kiln's runtime
+    worker; shipped into every repository so launch.sh runs it in the container, where kiln is not installed)."""
+    return Path(str(resources.files("kiln.runtime") / "workers" / "check_engine.py"))
+
+
 def models_source() -> Path:
     """The directory holding kiln's Python models (``<kind>/model.py``) and the modules shipped beside them."""
     return Path(str(resources.files("kiln.triton") / "models"))
 
 
-def server_command(repo: str, r: Recipe, host: str = "0.0.0.0") -> list[str]:
-    s = r.serving
-    return ["tritonserver", f"--model-repository={repo}", f"--http-port={s.http_port}", f"--grpc-port={s.grpc_port}",
-            f"--metrics-port={s.metrics_port}", "--disable-auto-complete-config"]
-
-
-def write_repository(inp: RepoInputs, out: Path, max_seq_len: int) -> dict[str, Any]:
-    """Write the whole repository into `out` (an empty directory). Returns the kiln.json content."""
+def write_repository(inp: RepoInputs, out: Path, max_seq_len: int, final: Optional[Path] = None) -> dict[str, Any]:
+    """Write the whole repository into `out` (an empty directory, renamed to `final` when complete: kiln.json's
+    server command names `final`, never the temporary directory). Returns the kiln.json content."""
     r = inp.recipe
     engine_cfg = json.loads((inp.engine_dir / "config.json").read_text())
+    logits = logits_type(engine_cfg)
 
     pre = out / "preprocessing"
     _write_config(pre, preprocessing_config(r, max_seq_len))
@@ -355,7 +397,7 @@ def write_repository(inp: RepoInputs, out: Path, max_seq_len: int) -> dict[str, 
 
     def write_llm(name: str, source: RepoInputs) -> Any:
         cfg = json.loads((source.engine_dir / "config.json").read_text())
-        config = trtllm_config(source.recipe, name, max_seq_len, cfg)
+        config = trtllm_config(source.recipe, name, max_seq_len, cfg, source.kv_tokens, source.gpu_device_ids)
         d = out / name
         _write_config(d, config)
         link_tree(source.engine_dir, d / "1" / "engine")
@@ -372,31 +414,51 @@ def write_repository(inp: RepoInputs, out: Path, max_seq_len: int) -> dict[str, 
         write_llm(draft_name, inp.draft)
 
     ens = ensemble_config(r, {t.name for t in trt.input}, {t.name for t in trt.output})
+    set_logits_type(ens, logits)
     _write_config(out / "ensemble", ens)
     (out / "ensemble" / "1").mkdir(exist_ok=True)
 
     bls = out / "tensorrt_llm_bls"
-    _write_config(bls, bls_config(r, draft_name))
+    bls_cfg = bls_config(r, draft_name)
+    set_logits_type(bls_cfg, logits)
+    _write_config(bls, bls_cfg)
     install_python_model("bls", bls)
 
     trtllm_version = inp.versions.get("tensorrt_llm")
-    container = container_for(trtllm_version) if r.target == "tensorrt" and trtllm_version else None
+    container = None
+    if r.target == "tensorrt" and trtllm_version:
+        container = inp.image or container_for(trtllm_version)
+        if inp.image_digest and "@" not in container:
+            container = f"{strip_digest(container)}@{inp.image_digest}"  # pinned: the image that built the engine
+    shutil.copy2(check_engine_script(), out / CHECK_SCRIPT)
+    from kiln.triton.deploy import DeployInfo, server_command
+
+    world = r.parallelism.tp * r.parallelism.pp
+    names = ("tensorrt_llm",) + ((draft_name,) if draft_name else ())
+    root = CONTAINER_MODEL_ROOT if container else str(final or out)
+    command = server_command(DeployInfo.from_recipe(r, container or "kiln-reference", draft_model_name=draft_name,
+                                                    orchestrator=inp.orchestrator), root)
     info = {
-        "kiln_repository_version": 1,
+        "kiln_repository_version": 2,
         "recipe": r.name,
         "fingerprint": inp.fingerprint,
         "target": r.target,
         "runtime": ("reference: PyTorch on CPU in a Triton Python model (a test and development vehicle, "
                     "not the fast path)") if r.target == "reference" else "tensorrt: TensorRT-LLM engine",
         "engine": {"tensorrt_llm": trtllm_version, "tensorrt": inp.versions.get("tensorrt"),
+                   "image": inp.image, "image_digest": inp.image_digest,
+                   "logits_dtype": (engine_cfg.get("pretrained_config") or {}).get("logits_dtype"),
                    "max_batch_size": engine_cfg["build_config"].get("max_batch_size"),
                    "max_input_len": engine_cfg["build_config"].get("max_input_len"),
                    "max_seq_len": engine_cfg["build_config"].get("max_seq_len")},
         "container": container,
         "streaming": r.serving.streaming,
-        "world_size": r.parallelism.tp * r.parallelism.pp,
+        "world_size": world,
+        "tensorrt_llm_models": list(names),
+        "orchestrator": inp.orchestrator,
         "models": sorted(p.name for p in out.iterdir() if p.is_dir()),
-        "server_command": server_command(CONTAINER_MODEL_ROOT if container else str(out.name), r),
+        "server_command": command,
+        "check_command": ["python3", f"{root}/{CHECK_SCRIPT}", root],
         "quality": inp.quality,
     }
     (out / "kiln.json").write_text(json.dumps(info, indent=2))

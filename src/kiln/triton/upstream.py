@@ -11,9 +11,8 @@ The facts live in data files beside this module, each naming its sources (reposi
 * ``data/inflight_batcher_llm.json``: every model's tensors, parameters, template variables and (ensemble)
   wiring, from ``NVIDIA/TensorRT-LLM`` ``triton_backend/all_models/inflight_batcher_llm/*/config.pbtxt``;
   parameter semantics and backend defaults from ``triton-inference-server/tensorrtllm_backend``.
-* ``data/trtllm_containers.json``: the ``tritonserver:<yy.mm>-trtllm-python-py3`` containers and the
-  TensorRT-LLM / TensorRT each ships, from ``triton-inference-server/server``
-  ``docs/introduction/compatibility.md``.
+* the container table (``tritonserver:<yy.mm>-trtllm-python-py3`` and the TensorRT-LLM / TensorRT each ships)
+  lives in :mod:`kiln.recipe.containers`, which picks the engine runtime image too; it is re-exported here.
 
 This module only types them (:class:`ModelContract`, :class:`TensorSpec`, ...) and answers questions about
 them (:func:`container_for`). A malformed data file fails at import with the file and the key path.
@@ -29,8 +28,16 @@ from typing import Final, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from kiln.recipe.containers import (  # noqa: F401 - re-exported: the container table's one home is there
+    CONTAINER_REPOSITORY,
+    CONTAINER_SUFFIX,
+    CONTAINER_TENSORRT,
+    CONTAINERS_SOURCE,
+    NGC_CONTAINERS,
+    container_for,
+)
+
 CONTRACT_FILE: Final = "inflight_batcher_llm.json"
-CONTAINERS_FILE: Final = "trtllm_containers.json"
 
 
 @dataclass(frozen=True)
@@ -222,15 +229,6 @@ class _ContractFile(_Data):
     models: dict[str, _ModelData]
 
 
-class _ContainersFile(_Data):
-    about: str
-    source: _SourceData
-    repository: str
-    suffix: str
-    columns: tuple[Literal["release"], Literal["tensorrt_llm"], Literal["tensorrt"]]
-    rows: tuple[tuple[str, str, str], ...]
-
-
 _FileT = TypeVar("_FileT", bound=BaseModel)
 
 
@@ -280,7 +278,6 @@ def _model(name: str, data: _ModelData, spellings: Mapping[str, tuple[str, ...]]
 
 
 _CONTRACT: Final = _load(CONTRACT_FILE, _ContractFile)
-_CONTAINERS: Final = _load(CONTAINERS_FILE, _ContainersFile)
 _SPELLINGS: Final = {name: s.values for name, s in _CONTRACT.spellings.items()}
 
 #: Upstream's model contracts by model name (ensemble, preprocessing, tensorrt_llm, postprocessing, tensorrt_llm_bls).
@@ -299,43 +296,11 @@ ADDED_SINCE_BACKEND_REPO: Final[Mapping[str, frozenset[str]]] = MappingProxyType
 TEMPLATE_VARS: Final[Mapping[str, str]] = MappingProxyType(dict(_CONTRACT.template_vars))
 #: Where the contract and the container table were read (``name -> Source``).
 UPSTREAM_SOURCE: Final[Mapping[str, Source]] = MappingProxyType(
-    {**{k: v.typed() for k, v in _CONTRACT.sources.items()}, "containers": _CONTAINERS.source.typed()}
+    {**{k: v.typed() for k, v in _CONTRACT.sources.items()},
+     "containers": Source(CONTAINERS_SOURCE.repo, CONTAINERS_SOURCE.path, CONTAINERS_SOURCE.commit, CONTAINERS_SOURCE.note)}
 )
 
-# --- serving containers ---------------------------------------------------------------------------------
-CONTAINER_REPOSITORY: Final[str] = _CONTAINERS.repository
-CONTAINER_SUFFIX: Final[str] = _CONTAINERS.suffix
-
-
-def _tag(release: str) -> str:
-    return f"{CONTAINER_REPOSITORY}:{release}{CONTAINER_SUFFIX}"
-
-
-def _containers_by_version() -> Mapping[str, tuple[str, ...]]:
-    table: dict[str, list[str]] = {}
-    for release, trtllm, _tensorrt in _CONTAINERS.rows:
-        table.setdefault(trtllm, []).append(_tag(release))
-    return MappingProxyType({version: tuple(tags) for version, tags in table.items()})
-
-
-#: TensorRT-LLM version -> container tags that ship it, oldest first.
-NGC_CONTAINERS: Final[Mapping[str, tuple[str, ...]]] = _containers_by_version()
-#: Container tag -> TensorRT version inside it (an engine must be built with the same one).
-CONTAINER_TENSORRT: Final[Mapping[str, str]] = MappingProxyType(
-    {_tag(release): tensorrt for release, _trtllm, tensorrt in _CONTAINERS.rows}
-)
-
-
-def container_for(trtllm_version: str) -> str:
-    """Newest ``tritonserver:<yy.mm>-trtllm-python-py3`` tag shipping ``trtllm_version``.
-
-    Raises ``LookupError`` listing the known versions when none ships it.
-    """
-    tags = NGC_CONTAINERS.get(trtllm_version.strip())
-    if not tags:
-        known = ", ".join(NGC_CONTAINERS)
-        raise LookupError(
-            f"no {CONTAINER_REPOSITORY}:*{CONTAINER_SUFFIX} container is known to ship "
-            f"TensorRT-LLM {trtllm_version!r}; known versions: {known}"
-        )
-    return tags[-1]
+#: An engine's logits dtype (``pretrained_config.logits_dtype``; TensorRT-LLM's runtime allows these two and reads
+#: float32 when absent) → the Triton type its logits tensors must be declared with (upstream templates it as
+#: ``${logits_datatype}``; a declared type that disagrees returns garbage or trips the backend's assert).
+LOGITS_TRITON_TYPE: Final[Mapping[str, str]] = MappingProxyType({"float32": "TYPE_FP32", "float16": "TYPE_FP16"})

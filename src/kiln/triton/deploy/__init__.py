@@ -40,7 +40,12 @@ Sources (read with the search tools; nothing copied):
   ``api/leaderworkerset/v1/leaderworkerset_types.go`` and ``pkg/utils/pod/pod_utils.go`` @ 060ab4da.
 * The serving images have a user ``triton-server`` with uid/gid 1000 (``triton-inference-server/server``
   ``build.py``: "Make sure that this user is given ID 1000") and no ``sshd`` (``openssh-server`` is only
-  installed for the retired FasterTransformer backend).
+  installed for the retired FasterTransformer backend): multi-node pods run the derived image kiln's
+  ``Dockerfile.multinode`` describes (the serving image plus OpenSSH), never the stock one.
+* Draft+target decoding with tp × pp > 1 runs in TensorRT-LLM's orchestrator mode: ``TRTLLM_ORCHESTRATOR=1``
+  and the Triton flags of upstream's ``launch_triton_server.py --multi-model`` (TensorRT-LLM
+  ``triton_backend/scripts/launch_triton_server.py`` @ 0a2e2c1f; ``examples/draft_target_model/README.md``:
+  "--multi-model is necessary if TP mode is used").
 * Docker settings (``--shm-size``, ``--ulimit memlock=-1 --ulimit stack=67108864``): NVIDIA's container
   guidance for Triton / TensorRT-LLM.
 """
@@ -56,6 +61,7 @@ from kiln.triton.deploy.info import (
     WORKER_WAIT_S,
     DeployInfo,
     k8s_name,
+    multinode_image_name,
 )
 from kiln.triton.deploy.render import (
     K8S_FILES,
@@ -66,8 +72,10 @@ from kiln.triton.deploy.render import (
     mpirun_command,
     pod_security_context,
     pvc_name,
+    ORCHESTRATOR_ENV,
     render_launch_script,
     render_leader_script,
+    render_multinode_dockerfile,
     render_readme,
     render_worker_script,
     server_command,
@@ -100,6 +108,9 @@ __all__ = [
     "default_kubernetes_versions",
     "k8s_name",
     "k8s_objects",
+    "multinode_image_name",
+    "ORCHESTRATOR_ENV",
+    "render_multinode_dockerfile",
     "launch_command",
     "mpirun_command",
     "pod_security_context",

@@ -71,6 +71,11 @@ class DeployInfo:
     gpu: bool
     hub_token_secret: str | None = None
     tensorrt_llm_model_names: tuple[str, ...] = ("tensorrt_llm",)
+    orchestrator_gpus: int = 0
+    """Draft+target with tp × pp > 1: TensorRT-LLM's orchestrator mode, one process spawning each model's ranks
+    on this many GPUs of one node (0: leader mode)."""
+    multinode_image: str | None = None
+    """The image of multi-node (LeaderWorkerSet) pods: the serving image plus sshd (Dockerfile.multinode)."""
 
     def __post_init__(self) -> None:
         if not self.recipe_name.strip():
@@ -109,6 +114,9 @@ class DeployInfo:
                 f"deploy: hub token secret {self.hub_token_secret!r} is not a valid Kubernetes Secret name "
                 "(lower-case letters, digits, '-' and '.', at most 253 characters)"
             )
+        if self.orchestrator_gpus and self.multi_node:
+            raise InputError("deploy: draft+target decoding in orchestrator mode spawns its ranks on one node; "
+                             "it cannot span several nodes (lower tp × pp, or raise hardware.gpus_per_node)")
         if not self.tensorrt_llm_model_names:
             raise InputError("deploy: no tensorrt_llm model names; ranks above 0 must load at least one model")
         for model in self.tensorrt_llm_model_names:
@@ -140,6 +148,8 @@ class DeployInfo:
         *,
         hub_token_secret: str | None = None,
         draft_model_name: str | None = None,
+        orchestrator: bool = False,
+        orchestrator_gpus: int = 0,
     ) -> DeployInfo:
         """The deploy facts of ``recipe``: world size, GPUs per node, ports and target.
 
@@ -158,7 +168,16 @@ class DeployInfo:
             gpu=recipe.target == "tensorrt",
             hub_token_secret=hub_token_secret,
             tensorrt_llm_model_names=names,
+            orchestrator_gpus=(orchestrator_gpus or recipe.parallelism.tp * recipe.parallelism.pp) if orchestrator else 0,
+            multinode_image=recipe.serving.multinode_image or multinode_image_name(image),
         )
+
+
+def multinode_image_name(image: str) -> str:
+    """The local name ``Dockerfile.multinode``'s build command gives the derived multi-node image:
+    ``kiln-trtllm-multinode:<serving tag>`` (push it to your registry and set serving.multinode_image)."""
+    tag = image.split("@", 1)[0].rsplit("/", 1)[-1].split(":", 1)
+    return f"kiln-trtllm-multinode:{tag[1] if len(tag) == 2 else 'latest'}"
 
 
 def k8s_name(recipe_name: str) -> str:

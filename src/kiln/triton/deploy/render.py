@@ -38,6 +38,11 @@ _REPO_MARK = "\x00KILN_MODEL_REPO\x00"  # stands for "${MODEL_REPO}" while argv 
 # ------------------------------------------------------------------------------------------ the command
 
 
+#: The Triton flags upstream's launch script adds in orchestrator mode (spawned processes allocate their own
+#: pools): TensorRT-LLM triton_backend/scripts/launch_triton_server.py, --multi-model.
+ORCHESTRATOR_ENV = ("TRTLLM_ORCHESTRATOR=1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES=1")
+
+
 def launch_command(info: DeployInfo, repo: str) -> list[list[str]]:
     """The ``tritonserver`` argv of every rank, rank 0 first (one list when ``world_size == 1``).
 
@@ -47,6 +52,12 @@ def launch_command(info: DeployInfo, repo: str) -> list[list[str]]:
     them with :func:`mpirun_command`; :func:`server_command` gives the argv for one host.
     """
     ranks: list[list[str]] = []
+    if info.orchestrator_gpus:  # one process: the orchestrator spawns each model's ranks on its own GPUs
+        argv = ["tritonserver", f"--model-repository={repo}", f"--http-port={info.http_port}",
+                f"--grpc-port={info.grpc_port}", f"--metrics-port={info.metrics_port}",
+                "--disable-auto-complete-config", "--pinned-memory-pool-byte-size=0", "--enable-peer-access=false"]
+        argv += [f"--cuda-memory-pool-byte-size={gpu}:0" for gpu in range(info.orchestrator_gpus)]
+        return [argv]
     for rank in range(info.world_size):
         argv = [
             "tritonserver",
@@ -80,6 +91,8 @@ def mpirun_command(info: DeployInfo, repo: str, *, mpirun_args: Sequence[str] = 
 
 def server_command(info: DeployInfo, repo: str) -> list[str]:
     """The argv that starts the server on one host: ``tritonserver ...`` for one rank, else ``mpirun ...``."""
+    if info.orchestrator_gpus:
+        return ["env", *ORCHESTRATOR_ENV, *launch_command(info, repo)[0]]
     if info.world_size == 1:
         return launch_command(info, repo)[0]
     return mpirun_command(info, repo)
@@ -122,9 +135,47 @@ def render_launch_script(info: DeployInfo) -> str:
         '  echo "launch.sh: model repository ${MODEL_REPO} is not a directory; set MODEL_REPO" >&2',
         "  exit 2",
         "fi",
-        "",
     ]
+    if info.gpu:
+        lines += [
+            "",
+            "# The engine only loads with the TensorRT-LLM and TensorRT that built it (kiln.json records them):",
+            "# refuse a mismatch now, with the command that rebuilds it for this container.",
+            'python3 "${MODEL_REPO}/kiln_check_engine.py" "${MODEL_REPO}"',
+            "",
+            f"# The tensorrt_llm configs name their engines under {CONTAINER_REPO} (where compose and Kubernetes mount",
+            "# the repository). Elsewhere, serve a shadow repository: the same models, linked, with those paths",
+            "# pointing into MODEL_REPO.",
+            f'if [[ "$(cd "${{MODEL_REPO}}" && pwd -P)" != "{CONTAINER_REPO}" ]]; then',
+            '  shadow="$(mktemp -d "${TMPDIR:-/tmp}/kiln-repo.XXXXXX")"',
+            "  python3 - \"${MODEL_REPO}\" \"${shadow}\" <<'PY'",
+            "import os, sys",
+            "src, dst = os.path.abspath(sys.argv[1]), sys.argv[2]",
+            "for name in sorted(os.listdir(src)):",
+            "    model = os.path.join(src, name)",
+            "    if not os.path.isfile(os.path.join(model, 'config.pbtxt')):",
+            "        continue",
+            "    os.makedirs(os.path.join(dst, name))",
+            "    for entry in os.listdir(model):",
+            "        if entry != 'config.pbtxt':",
+            "            os.symlink(os.path.join(model, entry), os.path.join(dst, name, entry))",
+            "    with open(os.path.join(model, 'config.pbtxt')) as fh:",
+            "        text = fh.read()",
+            f"    text = text.replace('\"{CONTAINER_REPO}/' + name + '/1/engine\"', '\"' + os.path.join(model, '1', 'engine') + '\"')",
+            "    with open(os.path.join(dst, name, 'config.pbtxt'), 'w') as fh:",
+            "        fh.write(text)",
+            "PY",
+            '  MODEL_REPO="${shadow}"',
+            "fi",
+        ]
+    lines.append("")
     ranks = launch_command(info, _REPO_MARK)
+    if info.orchestrator_gpus:
+        lines += ["# Draft+target with tp × pp > 1: TensorRT-LLM's orchestrator mode (upstream's --multi-model): one",
+                  "# server process spawns each model's ranks on the GPUs its gpu_device_ids names."]
+        lines += [f"export {kv}" for kv in ORCHESTRATOR_ENV]
+        lines.append("exec " + " ".join(_sh(w) for w in ranks[0]))
+        return "\n".join(lines) + "\n"
     if info.world_size == 1:
         lines.append("exec " + " ".join(_sh(w) for w in ranks[0]))
         return "\n".join(lines) + "\n"
@@ -461,6 +512,29 @@ exec "${{sshd_bin}}" -D -e -f /dev/null -p {SSH_PORT} -h "${{state}}/host_key" \
 """
 
 
+def _multinode_image(info: DeployInfo) -> str:
+    return info.multinode_image or info.image
+
+
+def render_multinode_dockerfile(info: DeployInfo) -> str:
+    """``Dockerfile.multinode``: the serving image plus the sshd the multi-node pods need (the stock NGC image
+    has none); the LeaderWorkerSet's pods run this image, never the stock one."""
+    return f"""# Multi-node serving image for kiln recipe {info.recipe_name!r}: the serving container plus OpenSSH, through
+# which the leader's mpirun starts the other nodes' ranks (worker.sh runs an unprivileged sshd on port {SSH_PORT}).
+# The stock NGC image has no sshd. Build and push it, then set serving.multinode_image to the pushed name:
+#   docker build -f Dockerfile.multinode -t {_multinode_image(info)} .
+#   docker tag {_multinode_image(info)} <registry>/<name>:<tag> && docker push <registry>/<name>:<tag>
+ARG BASE_IMAGE={info.image}
+FROM ${{BASE_IMAGE}}
+USER root
+RUN apt-get update \\
+ && apt-get install -y --no-install-recommends openssh-server openssh-client \\
+ && rm -rf /var/lib/apt/lists/* \\
+ && mkdir -p /run/sshd
+USER {RUN_AS_UID}
+"""
+
+
 def _leaderworkerset(info: DeployInfo) -> list[dict[str, Any]]:
     name = k8s_name(info.recipe_name)
     scripts_mount = {"name": "scripts", "mountPath": "/opt/kiln", "readOnly": True}
@@ -471,10 +545,10 @@ def _leaderworkerset(info: DeployInfo) -> list[dict[str, Any]]:
         {"name": "mpi-ssh", "secret": {"secretName": ssh_secret_name(info), "defaultMode": 0o440}},
     ]
     mounts = _base_mounts() + [scripts_mount, ssh_mount]
-    leader = _server_container(info, ["bash", "/opt/kiln/leader.sh"], mounts)
+    leader = {**_server_container(info, ["bash", "/opt/kiln/leader.sh"], mounts), "image": _multinode_image(info)}
     worker = {
         "name": "worker",
-        "image": info.image,
+        "image": _multinode_image(info),
         "command": ["bash", "/opt/kiln/worker.sh"],
         "ports": [{"name": "ssh", "containerPort": SSH_PORT, "protocol": "TCP"}],
         "env": _env(info, hub_token=False),  # its ranks load only the engine: no hub access
@@ -710,6 +784,13 @@ def write_deploy_files(info: DeployInfo, out_dir: Path, *, model_repo: Path | st
         path = k8s_dir / file_name
         path.write_text(_dump_yaml(docs, _k8s_header(info)), encoding="utf-8")
         written.append(path)
+
+    dockerfile = out_dir / "Dockerfile.multinode"
+    if info.multi_node:
+        dockerfile.write_text(render_multinode_dockerfile(info), encoding="utf-8")
+        written.append(dockerfile)
+    else:
+        dockerfile.unlink(missing_ok=True)
 
     readme = out_dir / "README.md"
     readme.write_text(render_readme(info, repo_source), encoding="utf-8")

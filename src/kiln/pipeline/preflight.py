@@ -1,0 +1,146 @@
+"""Preflight: before any work, everything the run's steps need from this machine, all problems at once.
+
+For the steps a run will execute, ``kiln build`` checks:
+
+* a GPU and its architecture, where a step runs in the engine runtime (TensorRT-LLM's quantization, the engine
+  build, the evaluation of what it quantized all run on this machine's GPU): none at all, an architecture the
+  format does not run on, or another GPU than the recipe's ``hardware.gpu`` (an engine is built for one);
+* the engine runtime itself: the container engine and its daemon, the image present locally (or the exact pull
+  command), or the local interpreter;
+* free disk for the checkpoint and the engine (from the planner's weight bytes);
+* a Hugging Face token for gated models that are not already downloaded.
+
+On a machine without a GPU a tensorrt recipe is refused here, and the message says how to calibrate and gate on
+the CPU instead (``--set quantization.runtime=host --to evaluate``).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Iterable, Optional
+
+from kiln.recipe.formats import format_refusal, kv_refusal
+from kiln.recipe.gpus import detected_gpu_names, lookup_gpu
+from kiln.recipe.loader import LoadedRecipe
+from kiln.recipe.schema import HF_PREFIX, Recipe
+from kiln.runtime.engine_runtime import engine_runtime_for
+from kiln.steps.runtime_jobs import uses_engine_runtime
+from kiln.util.errors import KilnError
+
+#: Hub organisations whose models ask every user to accept a licence before download (the model pages say so):
+#: a download needs a token of an account that accepted it.
+GATED_ORGS = ("meta-llama",)
+#: Bytes written per byte of quantized weights, by step: quantize writes the TensorRT-LLM checkpoint (the
+#: unquantized checkpoint beside it is hard-linked or, on the host path, written once more in the model dtype),
+#: the engine step writes the engine (about the checkpoint's size).
+_DISK_FACTOR = {"quantize": 1.1, "engine": 1.1}
+GIB = 1024**3
+
+
+class PreflightError(KilnError):
+    """This machine cannot run what the build asks; every problem found, each with its fix."""
+
+    exit_code = 2
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("this machine cannot run the build:\n  - " + "\n  - ".join(problems))
+
+
+def runtime_steps(recipe: Recipe, steps: Iterable[str]) -> list[str]:
+    """Which of ``steps`` run in the engine runtime."""
+    return [s for s in steps if uses_engine_runtime(recipe, s)]
+
+
+def check(loaded: LoadedRecipe, steps: list[str], build_root: Path) -> list[str]:
+    """Every problem that would stop ``steps`` of this recipe on this machine (empty: go)."""
+    recipe = loaded.recipe
+    problems: list[str] = []
+    in_runtime = runtime_steps(recipe, steps)
+    if in_runtime:
+        problems += _gpu_problems(recipe, in_runtime)
+        problems += engine_runtime_for(recipe, build_root).problems()
+    problems += _disk_problems(loaded, steps, build_root)
+    problems += _token_problems(recipe, steps)
+    return problems
+
+
+def _gpu_problems(recipe: Recipe, in_runtime: list[str]) -> list[str]:
+    names = detected_gpu_names()
+    what = ", ".join(in_runtime)
+    if not names:
+        return [f"no GPU on this machine: {what} run{'s' if len(in_runtime) == 1 else ''} in the engine runtime "
+                "(TensorRT-LLM on a CUDA GPU). To calibrate and run the quality gate on the CPU with kiln's own "
+                f"ModelOpt instead: kiln build {recipe.name} --set quantization.runtime=host --to evaluate; to "
+                "build the engine, run on a machine with an NVIDIA GPU and the NVIDIA Container Toolkit"]
+    problems = []
+    here = lookup_gpu(names[0])
+    if here is None:
+        return [f"this machine's GPU {names[0]!r} is not in kiln's GPU table, so its architecture is unknown: set "
+                "hardware.gpu to the closest known GPU, or add it to the table"]
+    declared = lookup_gpu(recipe.hardware.gpu) if recipe.hardware.gpu else None
+    if declared is not None and declared.name != here.name:
+        problems.append(f"the recipe targets {declared.name} (hardware.gpu) but this machine has {here.name}: an "
+                        f"engine is built for one GPU architecture. Build on a {declared.name}, or set "
+                        f"hardware.gpu: {here.name}")
+    target = "tensorrt" if recipe.target == "tensorrt" else recipe.target
+    for key, refusal in (("quantization.format", format_refusal(recipe.quantization.format, target, here.sm, here.name)),
+                         ("quantization.kv_cache", kv_refusal(recipe.quantization.kv_cache, target, here.sm,
+                                                              here.name))):
+        if refusal is not None:
+            problems.append(f"{key}: {refusal.reason} on this machine's {here.name}" +
+                            (f"; {refusal.hint}" if refusal.hint else ""))
+    return problems
+
+
+def weight_bytes(loaded: LoadedRecipe) -> Optional[int]:
+    """The quantized weights' bytes from the planner (None when kiln cannot read the model's config)."""
+    from kiln.plan import PlanError, plan_for, recipe_model_config
+    from kiln.recipe.gpus import GPUS
+
+    if recipe_model_config(loaded) is None:
+        return None
+    try:  # weight bytes do not depend on the GPU; any GPU of the table plans them
+        return plan_for(loaded, loaded.recipe.hardware.gpu or next(iter(GPUS.values()))).weights.total_bytes
+    except PlanError:
+        return None
+
+
+def _disk_problems(loaded: LoadedRecipe, steps: list[str], build_root: Path) -> list[str]:
+    factor = sum(_DISK_FACTOR.get(s, 0.0) for s in steps if s != "engine" or loaded.recipe.target == "tensorrt")
+    if factor == 0:
+        return []
+    weights = weight_bytes(loaded)
+    if weights is None:
+        return []
+    need = int(weights * factor)
+    where = build_root.resolve()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if free >= need:
+        return []
+    return [f"not enough disk under {build_root}: {', '.join(s for s in steps if s in _DISK_FACTOR)} need about "
+            f"{need / GIB:.1f} GiB (the planner's {weights / GIB:.1f} GiB of weights) and {where} has "
+            f"{free / GIB:.1f} GiB free: free space, or point --build-dir at a larger disk"]
+
+
+def _token_problems(recipe: Recipe, steps: list[str]) -> list[str]:
+    source = recipe.model.source
+    if "quantize" not in steps or not source.startswith(HF_PREFIX):
+        return []
+    repo, _, revision = source[len(HF_PREFIX):].partition("@")
+    if repo.split("/", 1)[0].lower() not in GATED_ORGS:
+        return []
+    from huggingface_hub import get_token, snapshot_download
+
+    try:
+        snapshot_download(repo, revision=revision or None, local_files_only=True)
+        return []  # already downloaded: no token needed
+    except Exception:  # noqa: BLE001 - not in the local cache
+        pass
+    if get_token():
+        return []
+    return [f"model.source: {repo} is a gated model (accept its licence on huggingface.co) and is not downloaded "
+            "yet, and no Hugging Face token is set: export HF_TOKEN=… or run `hf auth login`"]

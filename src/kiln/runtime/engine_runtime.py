@@ -1,0 +1,459 @@
+"""Run a job in the recipe's engine runtime, and say exactly how.
+
+A :class:`Job` is a command plus the host directories it reads (mounted read-only) and writes (its temporary
+output directory, and a shared scratch directory for HOME, TMPDIR, the Hugging Face cache and JIT caches). The
+runtime turns it into one host command line:
+
+* ``container`` with docker: ``docker run --rm --gpus all --ipc=host --ulimit memlock=-1 --ulimit
+  stack=67108864 --shm-size=2g --user UID:GID --volume HOST:/kiln/...:ro … IMAGE CMD`` (NVIDIA's documented
+  flags for TensorRT-LLM containers); podman: the same with CDI devices (``--device nvidia.com/gpu=all``),
+  ``--security-opt label=disable`` and ``--userns keep-id``; Apptainer/Singularity (Slurm clusters without
+  docker): ``apptainer exec --nv --cleanenv --no-home --bind HOST:/kiln/...:ro … docker://IMAGE CMD``.
+  Outputs belong to the caller: docker and podman run as the caller's uid:gid, Apptainer always does.
+* ``local``: the job's command with host paths, run by the named interpreter (``engine_runtime.python``) or
+  ``trtllm-build`` beside it or on PATH.
+
+Nothing here starts a container to *describe* a job (``kiln build --dry-run``) or to fingerprint it: the
+image's digest comes from ``docker image inspect`` (or the reference itself when pinned ``@sha256:``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence
+
+from kiln.recipe.containers import CONTAINER_TENSORRT, CONTAINER_TRTLLM, container_for, strip_digest, tensorrt_for
+from kiln.recipe.schema import Recipe
+from kiln.util.errors import KilnError
+
+ROOT = "/kiln"
+WORKERS = f"{ROOT}/workers"
+SCRATCH = f"{ROOT}/scratch"
+#: Environment every job gets: HOME, TMPDIR and every cache a library may write go to the scratch directory
+#: (the image's own home may not be writable for the caller's uid), and nothing is downloaded inside.
+SCRATCH_ENV: Mapping[str, str] = {
+    "HOME": f"{SCRATCH}/home",
+    "TMPDIR": f"{SCRATCH}/tmp",
+    "HF_HOME": f"{SCRATCH}/hf",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "XDG_CACHE_HOME": f"{SCRATCH}/cache",
+    "TRITON_CACHE_DIR": f"{SCRATCH}/cache/triton",
+    "TORCHINDUCTOR_CACHE_DIR": f"{SCRATCH}/cache/inductor",
+    "CUDA_CACHE_PATH": f"{SCRATCH}/cache/nv",
+    "PYTHONUNBUFFERED": "1",
+}
+SCRATCH_DIRS = ("home", "tmp", "hf", "cache/triton", "cache/inductor", "cache/nv")
+#: NVIDIA's documented limits for TensorRT-LLM containers (TensorRT-LLM installation guide; tensorrtllm_backend
+#: README): locked memory unlimited, 64 MiB stacks.
+ULIMITS = ("memlock=-1", "stack=67108864")
+CONTAINER_ENGINES = ("docker", "podman", "apptainer", "singularity")
+
+
+class RuntimeFailed(KilnError):
+    """A job failed in the engine runtime (the message carries the log's tail and the command)."""
+
+
+@dataclass(frozen=True)
+class Mount:
+    """A host directory the job sees at ``target`` (inside a container; a local job uses the host path)."""
+
+    host: Path
+    target: str
+    read_only: bool = True
+
+
+@dataclass(frozen=True)
+class Job:
+    """One command in the engine runtime: ``argv`` is built from the paths the runtime gives each mount."""
+
+    name: str
+    mounts: Mapping[str, Mount]
+    argv: Callable[[Mapping[str, str]], list[str]]
+    workdir: str = "out"
+    """The mount the command starts in."""
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RuntimeVersions:
+    """What the runtime reports about itself (the probe worker's output)."""
+
+    tensorrt_llm: Optional[str]
+    tensorrt: Optional[str]
+    modelopt: Optional[str]
+    transformers: Optional[str]
+    torch: Optional[str]
+    gpus: tuple[str, ...] = ()
+    python: Optional[str] = None
+
+    @classmethod
+    def from_probe(cls, data: Mapping) -> "RuntimeVersions":
+        pkgs = data.get("packages", {})
+        return cls(tensorrt_llm=pkgs.get("tensorrt_llm"), tensorrt=pkgs.get("tensorrt"),
+                   modelopt=pkgs.get("nvidia-modelopt"), transformers=pkgs.get("transformers"),
+                   torch=pkgs.get("torch"), gpus=tuple(g.get("name", "?") for g in data.get("gpus", [])),
+                   python=data.get("python"))
+
+    def as_dict(self) -> dict:
+        return {"tensorrt_llm": self.tensorrt_llm, "tensorrt": self.tensorrt, "nvidia-modelopt": self.modelopt,
+                "transformers": self.transformers, "torch": self.torch, "gpus": list(self.gpus),
+                "python": self.python}
+
+
+def workers_dir() -> Path:
+    """kiln's standalone worker scripts (mounted read-only into the runtime)."""
+    return Path(str(resources.files("kiln.runtime") / "workers"))
+
+
+def runtime_image(recipe: Recipe) -> str:
+    """The container image the recipe's engine runtime uses: ``engine_runtime.image``, else the container table's
+    newest image shipping ``engine_runtime.trtllm_version``."""
+    rt = recipe.engine_runtime
+    return rt.image or container_for(rt.trtllm_version)
+
+
+def expected_versions(recipe: Recipe) -> tuple[str, Optional[str]]:
+    """(TensorRT-LLM, TensorRT) versions the runtime must report: the table's row for the image when it is in the
+    table, else ``trtllm_version`` and the TensorRT the table pairs with it (None: unknown, not checked)."""
+    rt = recipe.engine_runtime
+    if rt.kind == "container":
+        tag = strip_digest(runtime_image(recipe))
+        if tag in CONTAINER_TRTLLM:
+            return CONTAINER_TRTLLM[tag], CONTAINER_TENSORRT[tag]
+    return rt.trtllm_version, tensorrt_for(rt.trtllm_version)
+
+
+def check_versions(recipe: Recipe, got: RuntimeVersions) -> list[str]:
+    """Differences between what the runtime reports and what the container table says it must be."""
+    want_trtllm, want_trt = expected_versions(recipe)
+    problems = []
+    if got.tensorrt_llm != want_trtllm:
+        problems.append(f"TensorRT-LLM is {got.tensorrt_llm or 'absent'} in the runtime, the recipe and kiln's "
+                        f"container table say {want_trtllm}")
+    if want_trt is not None and got.tensorrt != want_trt:
+        problems.append(f"TensorRT is {got.tensorrt or 'absent'} in the runtime, kiln's container table says "
+                        f"{want_trt} for TensorRT-LLM {want_trtllm}")
+    return problems
+
+
+class EngineRuntime:
+    """Turns jobs into host command lines and runs them, with a log and a progress line."""
+
+    kind = "?"
+
+    def paths(self, job: Job) -> dict[str, str]:
+        """Where each of the job's mounts is, as the job's command sees it."""
+        raise NotImplementedError
+
+    def command(self, job: Job) -> list[str]:
+        """The exact host command line for the job."""
+        raise NotImplementedError
+
+    def identity(self) -> dict[str, str]:
+        """What the runtime is, for fingerprints and records (cheap: starts nothing)."""
+        raise NotImplementedError
+
+    def problems(self) -> list[str]:
+        """Why jobs cannot run here (missing engine or daemon, image not present…), each with the fix."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def worker(self, job_paths: Mapping[str, str], name: str) -> str:
+        return f"{job_paths['workers']}/{name}"
+
+    def python(self) -> str:
+        return "python3"
+
+    # ------------------------------------------------------------------------------------------- running
+
+    def run(self, job: Job, log: Path, status: Optional[Callable[[str], None]] = None) -> str:
+        """Run the job, its output to ``log``; returns the output. RuntimeFailed (with the log's tail) on failure."""
+        for mount in job.mounts.values():
+            if not mount.read_only:
+                mount.host.mkdir(parents=True, exist_ok=True)
+        cmd = self.command(job)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        with open(log, "w", encoding="utf-8") as fh:
+            fh.write("$ " + shlex.join(cmd) + "\n")
+            fh.flush()
+            try:
+                proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=self._host_env())
+            except OSError as exc:
+                raise RuntimeFailed(f"cannot start {cmd[0]}: {exc}") from None
+            while proc.poll() is None:
+                if status is not None:
+                    status(f"{job.name} in {self.describe()} ({time.monotonic() - started:.0f}s) "
+                           f"{_last_line(log)[:80]}")
+                time.sleep(0.5)
+        text = log.read_text(encoding="utf-8", errors="replace")
+        if proc.returncode != 0:
+            tail = "".join(text.splitlines(keepends=True)[-20:])
+            raise RuntimeFailed(f"{job.name} failed in {self.describe()} (exit {proc.returncode}); last lines of "
+                                f"{log}:\n{tail}")
+        return text
+
+    def _host_env(self) -> dict[str, str]:
+        return dict(os.environ)
+
+
+def _container_name(job: Job, mounts: Mapping[str, Mount]) -> str:
+    """A name that says what runs and is unique per output directory (one writer per output, under its lock)."""
+    import hashlib
+
+    out = mounts.get(job.workdir)
+    key = str(out.host.resolve()) if out is not None else job.name
+    return f"kiln-{job.name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+
+
+def _last_line(log: Path) -> str:
+    try:
+        lines = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1].strip() if len(lines) > 1 else ""
+
+
+@dataclass
+class ContainerRuntime(EngineRuntime):
+    """docker / podman / apptainer (singularity) running ``image``."""
+
+    engine: str
+    exe: str
+    image: str
+    gpus: str = "all"
+    shm_size: str = "2g"
+    scratch: Path = Path("build/.engine-runtime")
+    user: tuple[int, int] = field(default_factory=lambda: (os.getuid(), os.getgid()))
+    kind: str = "container"
+
+    def paths(self, job: Job) -> dict[str, str]:
+        return {name: m.target for name, m in self._mounts(job).items()}
+
+    def _mounts(self, job: Job) -> dict[str, Mount]:
+        return {"workers": Mount(workers_dir(), WORKERS, True), **job.mounts,
+                "scratch": Mount(self.scratch.resolve(), SCRATCH, False)}
+
+    def _image_uri(self) -> str:
+        if self.engine in ("apptainer", "singularity"):
+            return self.image if self.image.endswith(".sif") or "://" in self.image else f"docker://{self.image}"
+        return self.image
+
+    def command(self, job: Job) -> list[str]:
+        mounts = self._mounts(job)
+        paths = {name: m.target for name, m in mounts.items()}
+        env = {**SCRATCH_ENV, **job.env}
+        workdir = paths[job.workdir]
+        if self.engine in ("apptainer", "singularity"):
+            argv = [self.exe, "exec", "--nv", "--cleanenv", "--no-home"]
+            for m in mounts.values():
+                argv += ["--bind", f"{m.host.resolve()}:{m.target}:{'ro' if m.read_only else 'rw'}"]
+            for key, value in env.items():
+                argv += ["--env", f"{key}={value}"]
+            if self.gpus != "all":
+                argv += ["--env", f"CUDA_VISIBLE_DEVICES={self.gpus}"]
+            return [*argv, "--pwd", workdir, self._image_uri(), *job.argv(paths)]
+        argv = [self.exe, "run", "--rm", "--name", _container_name(job, mounts)]
+        if self.engine == "podman":
+            devices = ["all"] if self.gpus == "all" else self.gpus.split(",")
+            for dev in devices:
+                argv += ["--device", f"nvidia.com/gpu={dev}"]
+            argv += ["--security-opt", "label=disable", "--userns", "keep-id"]
+        else:
+            argv += ["--gpus", "all" if self.gpus == "all" else f'"device={self.gpus}"']
+        argv += ["--ipc=host"]
+        for limit in ULIMITS:
+            argv += ["--ulimit", limit]
+        argv += [f"--shm-size={self.shm_size}", "--user", f"{self.user[0]}:{self.user[1]}"]
+        for m in mounts.values():
+            argv += ["--volume", f"{m.host.resolve()}:{m.target}:{'ro' if m.read_only else 'rw'}"]
+        for key, value in env.items():
+            argv += ["--env", f"{key}={value}"]
+        return [*argv, "--workdir", workdir, self.image, *job.argv(paths)]
+
+    def run(self, job: Job, log: Path, status: Optional[Callable[[str], None]] = None) -> str:
+        for sub in SCRATCH_DIRS:
+            (self.scratch / sub).mkdir(parents=True, exist_ok=True)
+        return super().run(job, log, status)
+
+    def digest(self) -> Optional[str]:
+        """The image's content digest, without starting a container: from a pinned reference, else from the
+        engine's local image store (docker/podman ``image inspect``); None when the engine cannot tell."""
+        if "@sha256:" in self.image:
+            return "sha256:" + self.image.split("@sha256:", 1)[1]
+        if self.engine in ("apptainer", "singularity"):
+            return None
+        try:
+            proc = subprocess.run([self.exe, "image", "inspect", "--format", "{{json .RepoDigests}}", self.image],
+                                  capture_output=True, text=True, timeout=30, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if proc.returncode != 0:
+            return None
+        try:
+            digests = json.loads(proc.stdout.strip() or "[]")
+        except ValueError:
+            return None
+        repo = strip_digest(self.image).rsplit(":", 1)[0]
+        for d in digests or []:
+            if isinstance(d, str) and "@sha256:" in d and d.split("@", 1)[0] == repo:
+                return "sha256:" + d.split("@sha256:", 1)[1]
+        return None
+
+    def pinned_image(self) -> str:
+        """The image reference pinned by digest when the digest is known (what deploy files should name)."""
+        digest = self.digest()
+        if digest is None or "@sha256:" in self.image:
+            return self.image
+        return f"{strip_digest(self.image)}@{digest}"
+
+    def identity(self) -> dict[str, str]:
+        return {"kind": "container", "image": self.image, "digest": self.digest() or "unknown"}
+
+    def describe(self) -> str:
+        return f"{self.engine} {self.image}"
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        if self.engine in ("apptainer", "singularity"):
+            return problems  # no daemon; the image is fetched (docker://) or read (.sif) at run time
+        try:
+            info = subprocess.run([self.exe, "info", "--format", "{{.ServerVersion}}"], capture_output=True,
+                                  text=True, timeout=20, check=False)
+        except (OSError, subprocess.SubprocessError) as exc:
+            return [f"{self.engine} does not answer ({exc}): start it, or set engine_runtime.container_engine"]
+        if info.returncode != 0:
+            first = (info.stderr or info.stdout).strip().splitlines()[:1]
+            return [f"the {self.engine} daemon is not reachable ({first[0] if first else 'no answer'}): start it "
+                    f"(e.g. `sudo systemctl start {self.engine}`), or set engine_runtime.container_engine"]
+        inspect = subprocess.run([self.exe, "image", "inspect", self.image], capture_output=True, text=True,
+                                 timeout=30, check=False)
+        if inspect.returncode != 0:
+            problems.append(f"the image {self.image} is not present locally: pull it first with "
+                            f"`{self.engine} pull {self.image}` (about 14 GB)")
+        return problems
+
+
+@dataclass
+class LocalRuntime(EngineRuntime):
+    """A local interpreter that has tensorrt_llm (``engine_runtime.python``), ``trtllm-build`` beside it or on
+    PATH. Jobs see host paths."""
+
+    interpreter: str = "python3"
+    scratch: Path = Path("build/.engine-runtime")
+    kind: str = "local"
+
+    def paths(self, job: Job) -> dict[str, str]:
+        return {name: str(m.host.resolve()) for name, m in
+                {"workers": Mount(workers_dir(), WORKERS), **job.mounts}.items()}
+
+    def python(self) -> str:
+        return self.interpreter
+
+    def command(self, job: Job) -> list[str]:
+        paths = self.paths(job)
+        argv = job.argv(paths)
+        if argv and argv[0] == "trtllm-build":
+            argv = [self.trtllm_build(), *argv[1:]]
+        return argv
+
+    def trtllm_build(self) -> str:
+        beside = Path(self.interpreter).parent / "trtllm-build"
+        if os.sep in self.interpreter and beside.exists():
+            return str(beside)
+        return shutil.which("trtllm-build") or "trtllm-build"
+
+    def _host_env(self) -> dict[str, str]:
+        return {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    def identity(self) -> dict[str, str]:
+        return {"kind": "local", "python": self.interpreter}
+
+    def describe(self) -> str:
+        return f"local {self.interpreter}"
+
+    def problems(self) -> list[str]:
+        exe = shutil.which(self.interpreter) or (self.interpreter if Path(self.interpreter).exists() else None)
+        if exe is None:
+            return [f"the interpreter {self.interpreter} does not exist: set engine_runtime.python to a Python that "
+                    "has tensorrt_llm, or use engine_runtime.kind: container"]
+        return []
+
+
+def _find_engine(wanted: str) -> tuple[Optional[str], Optional[str]]:
+    """(engine name, executable) for ``wanted`` (`auto`: the first of docker, podman, apptainer, singularity)."""
+    for name in (CONTAINER_ENGINES if wanted == "auto" else (wanted,)):
+        exe = shutil.which(name)
+        if exe:
+            return ("apptainer" if name == "singularity" else name), exe
+    return None, None
+
+
+def engine_runtime_for(recipe: Recipe, build_root: Path) -> EngineRuntime:
+    """The recipe's engine runtime (never starts anything). A container runtime whose engine is not installed
+    still describes its jobs (for --dry-run), naming the engine it would use; its problems() say what is missing."""
+    rt = recipe.engine_runtime
+    scratch = build_root / ".engine-runtime"
+    if rt.kind == "local":
+        python = rt.python or "python3"
+        if Path(python).is_dir():
+            python = str(Path(python) / "bin" / "python")
+        return LocalRuntime(interpreter=python, scratch=scratch)
+    name, exe = _find_engine(rt.container_engine)
+    if name is None:
+        wanted = "docker" if rt.container_engine == "auto" else rt.container_engine
+        return _MissingEngine(engine=wanted, exe=wanted, image=runtime_image(recipe), gpus=rt.gpus,
+                              shm_size=rt.shm_size, scratch=scratch, wanted=rt.container_engine)
+    return ContainerRuntime(engine=name, exe=exe, image=runtime_image(recipe), gpus=rt.gpus, shm_size=rt.shm_size,
+                            scratch=scratch)
+
+
+@dataclass
+class _MissingEngine(ContainerRuntime):
+    """A container runtime whose engine is not on PATH: it can describe jobs, not run them."""
+
+    wanted: str = "auto"
+
+    def digest(self) -> Optional[str]:
+        return "sha256:" + self.image.split("@sha256:", 1)[1] if "@sha256:" in self.image else None
+
+    def problems(self) -> list[str]:
+        which = "docker, podman or apptainer" if self.wanted == "auto" else self.wanted
+        return [f"no container engine: {which} is not on PATH. Install docker with the NVIDIA Container Toolkit "
+                "(or podman with CDI, or Apptainer on a cluster), or set engine_runtime.kind: local with "
+                "engine_runtime.python naming an interpreter that has tensorrt_llm"]
+
+
+def probe_job() -> Job:
+    """Read the runtime's versions and GPUs (the probe worker imports no tensorrt_llm)."""
+    return Job("probe", {}, lambda p: ["python3", f"{p['workers']}/probe.py"], workdir="workers")
+
+
+def read_versions(runtime: EngineRuntime, log: Path) -> RuntimeVersions:
+    """Run the probe in the runtime and parse its report (the last line of its output)."""
+    job = probe_job()
+    if isinstance(runtime, LocalRuntime):
+        job = Job("probe", {}, lambda p: [runtime.python(), f"{p['workers']}/probe.py"], workdir="workers")
+    text = runtime.run(job, log)
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            try:
+                return RuntimeVersions.from_probe(json.loads(line))
+            except ValueError:
+                break
+    raise RuntimeFailed(f"the version probe printed no report in {runtime.describe()}; see {log}")
+
+
+def commands_text(cmds: Sequence[Sequence[str]]) -> list[str]:
+    return ["$ " + shlex.join(c) for c in cmds]

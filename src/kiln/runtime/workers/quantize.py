@@ -1,0 +1,205 @@
+"""kiln's quantize worker, run inside the engine runtime: TensorRT-LLM's own ModelOpt integration on the GPU.
+
+    python3 quantize.py --job JOB.json
+
+It calls ``tensorrt_llm.quantization.quantize_and_export`` — the API behind TensorRT-LLM's
+``examples/quantization/quantize.py`` — so the checkpoint ``trtllm-build`` reads is exported by the ModelOpt
+TensorRT-LLM was made with. Around that call it adds what kiln's recipe and quality gate need:
+
+* the recipe's excluded modules and SmoothQuant strength are applied to the ModelOpt config TensorRT-LLM chose;
+* right after calibration, the calibrated quantizers are saved (``modelopt.torch.opt.save``) with the logits of
+  a probe, so that the evaluate worker grades exactly the quantizers that were exported;
+* for formats TensorRT-LLM quantizes at build time (weight-only), whose export calibrates nothing, the same
+  per-channel scheme is applied to a copy of the model for the quality gate;
+* the tokenizer is copied beside the checkpoint (quantize_and_export writes none).
+
+It imports only what the runtime has (torch, transformers, modelopt, tensorrt_llm, safetensors), never kiln.
+The job file names every path as the runtime sees it; the result file records versions and timings.
+"""
+
+import argparse
+import copy
+import json
+import os
+import time
+from importlib import metadata
+
+
+def read_job(path):
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def disable_patterns(config, patterns):
+    """Append "disable these quantizers" entries in the config's own shape (a dict in ModelOpt 0.37, a list of
+    entries in later releases); later entries win in both."""
+    entries = config.get("quant_cfg")
+    if isinstance(entries, dict):
+        for pattern in patterns:
+            entries[pattern] = {"enable": False}
+    elif isinstance(entries, list):
+        entries.extend({"quantizer_name": pattern, "enable": False} for pattern in patterns)
+    return config
+
+
+def adjust(config, job):
+    """The recipe's choices on top of the config TensorRT-LLM picked for the format."""
+    config = copy.deepcopy(config)
+    alpha = job.get("smoothquant_alpha")
+    algorithm = config.get("algorithm")
+    if alpha is not None and (algorithm == "smoothquant" or
+                              (isinstance(algorithm, dict) and algorithm.get("method") == "smoothquant")):
+        config["algorithm"] = {"method": "smoothquant", "alpha": alpha}
+    return disable_patterns(config, job.get("exclude_patterns", []))
+
+
+def per_channel_int4(config):
+    """TensorRT-LLM's INT4 weight-only scales are per output channel: the fake-quant model uses the same."""
+    entries = config["quant_cfg"]
+    items = entries.items() if isinstance(entries, dict) else ((e.get("quantizer_name"), e.get("cfg")) for e in entries)
+    for name, attrs in list(items):
+        if name == "*weight_quantizer" and isinstance(attrs, dict):
+            attrs.pop("block_sizes", None)
+            attrs.update({"num_bits": 4, "axis": 0})
+    return config
+
+
+def merge_entries(config, entries):
+    """Add KV-cache quantizer entries to a config, in either shape (as quantize_and_export does)."""
+    config = copy.deepcopy(config)
+    base = config.get("quant_cfg")
+    if isinstance(base, dict) and isinstance(entries, dict):
+        base.update({k: v for k, v in entries.items() if k != "default"})
+    elif isinstance(base, list) and isinstance(entries, list):
+        base.extend(e for e in entries if e.get("quantizer_name") != "*")
+    else:
+        raise SystemExit("the runtime's ModelOpt mixes config shapes; kiln supports nvidia-modelopt 0.37 to 0.47")
+    return config
+
+
+def load_model(job, device):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}.get(job["dtype"])
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=dtype or "auto")
+    return model.to(device).eval()
+
+
+def save_state(model, job):
+    """The calibrated quantizers, and a probe's logits that the restored model must reproduce."""
+    import modelopt.torch.opt as mto
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    os.makedirs(os.path.dirname(job["modelopt_state"]), exist_ok=True)
+    mto.save(model, job["modelopt_state"])
+    tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
+    ids = torch.tensor(tokenizer(job["probe_text"])["input_ids"][: job.get("probe_tokens", 32)])[None, :]
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(input_ids=ids.to(device), use_cache=False).logits.float().cpu()
+    save_file({"input_ids": ids.contiguous(), "logits": logits.contiguous()}, job["restore_check"])
+
+
+def calibration_texts(job):
+    with open(os.path.join(job["calib_dir"], "train.jsonl"), encoding="utf-8") as fh:
+        return [json.loads(line)["text"] for line in fh if line.strip()]
+
+
+def fake_quant_state(job, quantize, device):
+    """Weight-only formats: TensorRT-LLM's export calibrates nothing (it quantizes at build time). Apply the same
+    per-channel weight scheme to the unquantized model, so the quality gate measures what the engine runs."""
+    import modelopt.torch.quantization as mtq
+    import torch
+    from transformers import AutoTokenizer
+
+    fake = job["fake_quant"]
+    config = copy.deepcopy(getattr(mtq, fake["preset"]))
+    if fake.get("per_channel"):
+        config = per_channel_int4(config)
+    config = disable_patterns(config, fake.get("disable", []))
+    if job["kv_cache_dtype"] == "fp8":
+        config = merge_entries(config, getattr(mtq, job["kv_preset"])["quant_cfg"])
+    elif job["kv_cache_dtype"]:
+        from tensorrt_llm.quantization.quantize_by_modelopt import KV_CACHE_CFG
+
+        config = merge_entries(config, KV_CACHE_CFG["quant_cfg"])  # what quantize_and_export uses for int8
+    model = load_model(job, device)
+    tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
+    texts = calibration_texts(job)[: max(1, min(job["calib_size"], 32))]
+
+    def forward_loop(m):
+        with torch.no_grad():
+            for text in texts:
+                ids = tokenizer(text, return_tensors="pt", truncation=True,
+                                max_length=job["calib_max_seq_length"])["input_ids"]
+                m(input_ids=ids.to(device), use_cache=False)
+
+    quantize(model, config, forward_loop=forward_loop)
+
+
+def versions():
+    found = {}
+    for key, names in (("tensorrt_llm", ("tensorrt_llm", "tensorrt-llm")), ("tensorrt", ("tensorrt",)),
+                       ("nvidia-modelopt", ("nvidia-modelopt",)), ("transformers", ("transformers",)),
+                       ("torch", ("torch",))):
+        found[key] = None
+        for name in names:
+            try:
+                found[key] = metadata.version(name)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return found
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--job", required=True, help="the job file (JSON) kiln wrote")
+    job = read_job(parser.parse_args().job)
+    started = time.monotonic()
+
+    import modelopt.torch.quantization as mtq
+    import torch
+    from tensorrt_llm.quantization import quantize_and_export
+    from transformers import AutoTokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    real_quantize = mtq.quantize
+    calibrated = []
+
+    def quantize(model, config, forward_loop=None):
+        model = real_quantize(model, adjust(config, job), forward_loop=forward_loop)
+        save_state(model, job)
+        calibrated.append(True)
+        return model
+
+    mtq.quantize = quantize  # quantize_and_export calls mtq.quantize once it has chosen the format's config
+    try:
+        quantize_and_export(
+            model_dir=job["model_dir"], device="cuda", calib_dataset=job["calib_dir"], dtype=job["dtype"],
+            qformat=job["qformat"], kv_cache_dtype=job["kv_cache_dtype"], calib_size=job["calib_size"],
+            batch_size=job["batch_size"], calib_max_seq_length=job["calib_max_seq_length"],
+            awq_block_size=job["awq_block_size"], output_dir=job["output_dir"], tp_size=job["tp_size"],
+            pp_size=job["pp_size"], cp_size=1, seed=job["seed"],
+            tokenizer_max_seq_length=job["tokenizer_max_seq_length"])
+        if job.get("fake_quant"):
+            calibrated.clear()
+            fake_quant_state(job, quantize, device)  # what the quality gate grades for build-time quantization
+        elif not calibrated:
+            raise SystemExit(f"quantize_and_export calibrated nothing for {job['qformat']}: no quantizers to grade")
+    finally:
+        mtq.quantize = real_quantize
+    AutoTokenizer.from_pretrained(job["model_dir"]).save_pretrained(os.path.join(job["output_dir"], "tokenizer"))
+    result = {"packages": versions(), "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+              "state_from": "weights" if job.get("fake_quant") else "calibration",
+              "seconds": round(time.monotonic() - started, 3)}
+    with open(job["result"], "w", encoding="utf-8") as fh:
+        json.dump(result, fh, indent=2)
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
