@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from kiln.serve.client import generate_http, generate_stream
 
-# Prompts on which INT4-AWQ and the unquantized model (the built-in model as trained) part ways within
-# MAX_TOKENS greedy tokens, and two on which they agree; the test checks the first kind exists.
-PROMPTS = ["class Config:\n    \"\"\"", "    return self.", "import os\nimport", "def fibonacci(n):", "# Copyright"]
-MAX_TOKENS = 32
+# Two prompts on which INT4-AWQ and the unquantized model (the built-in model as trained) part ways within MAX_TOKENS
+# greedy tokens (at the 3rd and the 10th token), and one on which they agree; the test checks the first kind exists.
+PROMPTS = ["class Config:\n    \"\"\"", "    return self.", "# Copyright"]
+MAX_TOKENS = 16
 
 
 def test_served_greedy_output_is_the_quantized_models(default_server, hf_greedy):
