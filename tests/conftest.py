@@ -51,3 +51,79 @@ def kiln() -> Callable[..., Result]:
         return runner.invoke(cli, [str(a) for a in args], prog_name="kiln", catch_exceptions=True)
 
     return invoke
+
+
+# ------------------------------------------------------------------ the default recipe, built and served once
+@pytest.fixture(scope="session")
+def default_build(tmp_path_factory: pytest.TempPathFactory):
+    """The default recipe (configs/tiny-llama.yaml: the built-in model, INT4 AWQ, reference target) built once
+    by the real pipeline for the whole session: ``(loaded recipe, layout, packaged repository)``.
+
+    Shared read-only by every module that needs a real kiln repository (end-to-end, served greedy output, the
+    serving commands); a test that changes files copies the repository first."""
+    from kiln.pipeline.runner import Layout, run
+    from kiln.recipe.loader import load_recipe
+
+    root = tmp_path_factory.mktemp("default-build")
+    layout = Layout(root / "build", root / "triton_repo")
+    loaded = load_recipe(CONFIGS / "tiny-llama.yaml")
+    summary = run(loaded, layout, progress=False)
+    assert summary.failure is None, summary.failure
+    return loaded, layout, layout.repo_root / loaded.recipe.name
+
+
+@pytest.fixture(scope="session")
+def default_server(default_build):
+    """A real tritonserver serving the default recipe's repository, started once for the session (idle, it
+    costs no CPU). Tests only send requests to it; none stops or reconfigures it."""
+    from kiln.serve.server import ServerConfig, TritonServer, free_port
+
+    _, _, repo = default_build
+    cfg = ServerConfig(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    with TritonServer(cfg) as server:
+        yield server
+
+
+class HFGreedy:
+    """Hugging Face ``generate`` (greedy) on the default build's checkpoint, as the reference runtime loads it:
+    ``quantized=True`` restores the ModelOpt state (``mto.restore``), ``False`` is the unquantized model.
+    Results are cached per (prompt, max_tokens, quantized)."""
+
+    def __init__(self, repo: Path) -> None:
+        self.ckpt = repo / "tensorrt_llm" / "1" / "checkpoint"
+        self.tokenizer_file = repo / "preprocessing" / "1" / "tokenizer" / "tokenizer.json"
+        self._models: dict[bool, object] = {}
+        self._cache: dict[tuple[str, int, bool], str] = {}
+
+    def _model(self, quantized: bool):
+        if quantized not in self._models:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(self.ckpt, dtype=torch.float32).eval()
+            if quantized:
+                import modelopt.torch.opt as mto
+
+                mto.restore(model, str(self.ckpt / "modelopt_state.pth"))
+            self._models[quantized] = model
+        return self._models[quantized]
+
+    def __call__(self, prompt: str, max_tokens: int, quantized: bool = True) -> str:
+        key = (prompt, max_tokens, quantized)
+        if key not in self._cache:
+            import torch
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(str(self.tokenizer_file))
+            ids = torch.tensor([tok.encode(prompt, add_special_tokens=True).ids])
+            with torch.no_grad():
+                out = self._model(quantized).generate(ids, attention_mask=torch.ones_like(ids),
+                                                      max_new_tokens=max_tokens, do_sample=False)
+            self._cache[key] = tok.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(default_build) -> HFGreedy:
+    """Greedy completions from Hugging Face ``generate`` on the default build's model (see :class:`HFGreedy`)."""
+    return HFGreedy(default_build[2])

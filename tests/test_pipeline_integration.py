@@ -60,20 +60,29 @@ def started(build: Path) -> dict[str, str]:
     return {str(p.relative_to(build)): json.loads(p.read_text())["started"] for p in sorted(build.glob("*/*/manifest.json"))}
 
 
-def test_unchanged_rebuild_runs_nothing_and_serving_change_only_packages(tmp_path):
-    first = kiln("build", RECIPE, *FAST, "--quiet", cwd=tmp_path)
+@pytest.fixture(scope="module")
+def fast_build(tmp_path_factory) -> tuple[Path, dict[str, object]]:
+    """One complete build with FAST settings, and the digests of its quantize output (an uninterrupted run's, to
+    compare resumed builds against). Tests that change it only change later steps than quantize."""
+    work = tmp_path_factory.mktemp("fast-build")
+    first = kiln("build", RECIPE, *FAST, "--quiet", cwd=work)
     assert first.returncode == 0, first.stderr
-    before = started(tmp_path / "build")
-    again = kiln("build", RECIPE, *FAST, "--json", "--quiet", cwd=tmp_path)
+    return work, digests(work / "build" / "tiny-llama" / "quantize")
+
+
+def test_unchanged_rebuild_runs_nothing_and_serving_change_only_packages(fast_build):
+    work, _ = fast_build
+    before = started(work / "build")
+    again = kiln("build", RECIPE, *FAST, "--json", "--quiet", cwd=work)
     assert again.returncode == 0
     assert {s["status"] for s in json.loads(again.stdout)["steps"]} == {"skipped"}
-    assert started(tmp_path / "build") == before
+    assert started(work / "build") == before
     serving = kiln("build", RECIPE, *FAST, "--set", "serving.max_queue_delay_microseconds=100", "--json", "--quiet",
-                   cwd=tmp_path)
+                   cwd=work)
     statuses = {s["name"]: s["status"] for s in json.loads(serving.stdout)["steps"]}
     assert statuses == {"resolve": "skipped", "quantize": "skipped", "evaluate": "skipped", "engine": "skipped",
                         "package": "ran"}
-    dry = kiln("build", RECIPE, *FAST, "--set", "quantization.calibration.seed=7", "--dry-run", cwd=tmp_path)
+    dry = kiln("build", RECIPE, *FAST, "--set", "quantization.calibration.seed=7", "--dry-run", cwd=work)
     assert "quantization.calibration.seed: 1234 → 7" in dry.stdout and "skip resolve" in dry.stdout.replace("  ", " ")
 
 
@@ -89,35 +98,29 @@ def _kill_when(proc: subprocess.Popen, predicate, timeout: float = 300) -> None:
     raise AssertionError("the build never reached the point to kill it at")
 
 
-@pytest.fixture(scope="module")
-def clean_quantize(tmp_path_factory) -> dict[str, object]:
-    """The quantize output of an uninterrupted build, to compare resumed builds against."""
-    clean = tmp_path_factory.mktemp("clean")
-    assert kiln("build", RECIPE, *FAST, "--quiet", "--to", "quantize", cwd=clean).returncode == 0
-    return digests(clean / "build" / "tiny-llama" / "quantize")
-
-
-@pytest.mark.parametrize("when", ["calibration", "export"])
-def test_sigkill_leaves_nothing_a_later_run_accepts(tmp_path, when, clean_quantize):
+def test_sigkill_leaves_nothing_a_later_run_accepts(tmp_path, fast_build):
+    """A build killed during calibration, then one killed while exporting the checkpoint: neither half-written
+    output is accepted, and the run after them makes exactly what an uninterrupted build makes."""
     build = tmp_path / "build" / "tiny-llama"
-    proc = subprocess.Popen([sys.executable, "-m", "kiln", "build", RECIPE, *FAST, "--quiet", "--to", "quantize"],
-                            cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = [sys.executable, "-m", "kiln", "build", RECIPE, *FAST, "--quiet", "--to", "quantize"]
 
     def tmp_dirs():
         return list(build.glob(".quantize.tmp-*")) if build.is_dir() else []
 
-    if when == "calibration":
-        _kill_when(proc, lambda: bool(tmp_dirs()))
-    else:  # once the exported checkpoint starts appearing in the temp dir
-        _kill_when(proc, lambda: any((d / "checkpoint").exists() for d in tmp_dirs()))
+    calibrating = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _kill_when(calibrating, lambda: bool(tmp_dirs()))
+    assert not (build / "quantize" / "manifest.json").exists()
+    stale = set(tmp_dirs())
+    exporting = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # once the exported checkpoint starts appearing in the (new) temp dir
+    _kill_when(exporting, lambda: any((d / "checkpoint").exists() for d in set(tmp_dirs()) - stale))
     assert not (build / "quantize" / "manifest.json").exists()
     resumed = kiln("build", RECIPE, *FAST, "--json", "--quiet", "--to", "quantize", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     statuses = {s["name"]: s["status"] for s in json.loads(resumed.stdout)["steps"]}
-    assert statuses["quantize"] == "ran"  # the half-written output was not accepted
+    assert statuses["quantize"] == "ran"  # the half-written outputs were not accepted
     assert not list(build.glob(".quantize.tmp-*"))
-    assert digests(build / "quantize") == clean_quantize
+    assert digests(build / "quantize") == fast_build[1]
 
 
 def test_two_simultaneous_builds_make_one_set_of_artifacts(tmp_path):

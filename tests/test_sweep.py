@@ -1,4 +1,5 @@
-"""`kiln sweep`: the shipped example on the built-in model (real ModelOpt), resumability, and validation."""
+"""`kiln sweep`: the shipped example validated; a fast variant of it run on the built-in model (real ModelOpt) with
+resumability; a bench sweep (real tritonserver per point) and the data its plot draws; validation errors."""
 
 from __future__ import annotations
 
@@ -50,11 +51,41 @@ def _manifest_times(build: Path) -> dict[str, str]:
             for p in sorted(build.glob("*/*/manifest.json"))}
 
 
+def test_example_sweep_is_valid_and_compares_every_format(tmp_path):
+    """The shipped example expands to its points and each one validates (running it is the next test's job, with
+    the fast formats only: the pipeline's sweep behaviour does not depend on the format)."""
+    sweep = load_sweep(EXAMPLE, Layout(tmp_path / "build", tmp_path / "repo"))
+    pairs = [(p.overrides["quantization.format"], p.overrides["quantization.kv_cache"]) for p in sweep.points]
+    assert pairs == [("int8_sq", "none"), ("int4_awq", "none"), ("int4_awq", "fp8"), ("w4a8_awq", "none"),
+                     ("fp8", "none"), ("fp8", "fp8")]
+    assert sorted(sweep.loaded) == [p.index for p in sweep.points]
+    assert {sweep.loaded[p.index].recipe.quantization.format for p in sweep.points} == {f for f, _ in pairs}
+    assert sweep.spec.measure == ("quality", "plan") and sweep.spec.gpu == "H100-SXM"
+    assert not (tmp_path / "build").exists()  # validating runs nothing
+
+
+# Fast settings for sweeps that run: int8_sq / fp8 / int8_wo calibrate in about a second on a few short samples.
+FAST_SET = {"quantization.calibration.samples": 4, "quantization.calibration.max_seq_len": 64,
+            "evaluation.samples": 4, "evaluation.max_seq_len": 64}
+
+
+def _example_with(tmp_path: Path, name: str, formats: list[str]) -> Path:
+    """The shipped example (same set, exclusions, measures, GPU) over other formats, with FAST_SET."""
+    spec = yaml.safe_load(EXAMPLE.read_text())
+    spec["base"] = str(EXAMPLE.parent / spec["base"])
+    spec["set"].update(FAST_SET)
+    spec["axes"]["quantization.format"] = formats
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
 @pytest.mark.integration
-def test_example_sweep_runs_resumes_and_grows(tmp_path):
+def test_sweep_runs_resumes_and_grows(tmp_path):
     layout = Layout(tmp_path / "build", tmp_path / "repo")
-    sweep = load_sweep(EXAMPLE, layout)
-    assert len(sweep.points) >= 6
+    sweep = load_sweep(_example_with(tmp_path, "fast.yaml", ["int8_sq", "fp8"]), layout)
+    assert [p.label for p in sweep.points] == ["format=int8_sq, kv_cache=none", "format=fp8, kv_cache=none",
+                                               "format=fp8, kv_cache=fp8"]  # int8_sq × fp8 KV is excluded
     records = run_sweep(sweep, layout, progress=False)
     assert [r["status"] for r in records] == ["ok"] * len(records), [r.get("error") for r in records]
 
@@ -75,19 +106,61 @@ def test_example_sweep_runs_resumes_and_grows(tmp_path):
 
     # points that differ only in the KV cache share nothing upstream of quantize; every point resolved once
     before = _manifest_times(layout.build_root)
-    again = run_sweep(load_sweep(EXAMPLE, layout), layout, progress=False)
+    again = run_sweep(load_sweep(sweep.file, layout), layout, progress=False)
     assert _manifest_times(layout.build_root) == before  # re-running the finished sweep ran no step
     assert all(set(r["steps"].values()) <= {"skipped", "not run"} for r in again)
 
-    grown = tmp_path / "grown.yaml"
-    spec = yaml.safe_load(EXAMPLE.read_text())
-    spec["base"] = str(EXAMPLE.parent / spec["base"])
-    spec["axes"]["quantization.format"].append("int8_wo")
-    grown.write_text(yaml.safe_dump(spec))
-    bigger = load_sweep(grown, layout)
-    records = run_sweep(bigger, layout, progress=False)
+    grown = _example_with(tmp_path, "grown.yaml", ["int8_sq", "fp8", "int8_wo"])  # same sweep, one more format
+    records = run_sweep(load_sweep(grown, layout), layout, progress=False)
     ran = [r for r in records if any(s in ("ran", "reused") for s in r["steps"].values())]
     assert {r["overrides"]["quantization.format"] for r in ran} == {"int8_wo"}
     assert len(ran) == 2  # int8_wo × kv none/fp8: only the new points ran
     for key, started in before.items():
         assert json.loads((layout.build_root / key).read_text())["started"] == started
+
+
+@pytest.mark.integration
+def test_bench_sweep_plots_each_points_throughput_against_latency(tmp_path, monkeypatch):
+    """measure: bench serves each point with a real tritonserver and benchmarks it; the throughput-vs-latency plot
+    draws one line per point through its levels' (E2E p50, output tokens/s); a re-run reuses the figures."""
+    from matplotlib.figure import Figure
+
+    sweep_file = tmp_path / "bench.yaml"
+    sweep_file.write_text(yaml.safe_dump({
+        "name": "bench-sweep", "base": str(configs_dir() / "tiny-llama.yaml"),
+        "set": {"quantization.format": "int8_sq", **FAST_SET},
+        "axes": {"serving.cpu_threads": [1, 2]},
+        "measure": ["bench"],
+        "bench": {"concurrency": [1, 2], "duration_s": 1.0, "input_len": 8, "output_len": 8},
+    }))
+    drawn: dict[str, list[tuple[str, list[float], list[float]]]] = {}
+    savefig = Figure.savefig
+
+    def record_lines(fig, path, *args, **kwargs):  # what each plot draws, captured as it is saved
+        drawn[Path(path).name] = [(line.get_label(), [float(x) for x in line.get_xdata()],
+                                   [float(y) for y in line.get_ydata()]) for ax in fig.axes for line in ax.get_lines()]
+        return savefig(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", record_lines)
+    layout = Layout(tmp_path / "build", tmp_path / "repo")
+    records = run_sweep(load_sweep(sweep_file, layout), layout, progress=False)
+    assert [r["status"] for r in records] == ["ok", "ok"], [r.get("error") for r in records]
+    expected = []
+    for r in records:
+        levels = r["bench"]["levels"]
+        assert [lv["concurrency"] for lv in levels] == [1, 2]
+        assert all(lv["completed"] >= 1 and lv["errors"] == 0 for lv in levels)
+        expected.append((r["label"], [lv["e2e_p50_ms"] for lv in levels], [lv["output_tokens_per_s"] for lv in levels]))
+    lines = drawn["throughput_vs_latency.png"]
+    assert lines == expected
+    assert all(x > 0 for _, xs, ys in lines for x in xs + ys)
+    out = layout.build_root / "sweeps" / "bench-sweep"
+    assert (out / "throughput_vs_latency.png").stat().st_size > 1000
+
+    def no_server(*_args, **_kwargs):
+        raise AssertionError("a finished point was benchmarked again")
+
+    monkeypatch.setattr("kiln.serve.server.TritonServer.start", no_server)
+    again = run_sweep(load_sweep(sweep_file, layout), layout, progress=False)
+    assert [r["status"] for r in again] == ["ok", "ok"], [r.get("error") for r in again]
+    assert [r["bench"] for r in again] == [r["bench"] for r in records]

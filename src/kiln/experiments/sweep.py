@@ -453,10 +453,10 @@ def _plots(records: list[dict], rows: list[dict], out_dir: Path) -> None:
     if benched:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in benched:
-            levels = r["bench"].get("levels", [])
-            xs = [lv.get("e2e_p50_ms") for lv in levels]
-            ys = [lv.get("output_tokens_per_s") for lv in levels]
-            ax.plot(xs, ys, marker="o", label=r["label"])
+            # one point per level: the bench report's level fields (kiln.serve.bench.LevelResult)
+            pts = [(lv["e2e_p50_ms"], lv["output_tokens_per_s"]) for lv in r["bench"].get("levels", [])
+                   if lv.get("e2e_p50_ms") is not None and lv.get("output_tokens_per_s") is not None]
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=r["label"])
         ax.set_xlabel("end-to-end latency p50 (ms)")
         ax.set_ylabel("output tokens/s")
         ax.set_title("throughput vs latency")
