@@ -51,3 +51,85 @@ def kiln() -> Callable[..., Result]:
         return runner.invoke(cli, [str(a) for a in args], prog_name="kiln", catch_exceptions=True)
 
     return invoke
+
+
+# ============================================================================ the default recipe, built and served once
+# Shared by test_end_to_end, test_client_replay and test_openai (integration tier): building the default recipe
+# takes most of a minute, so it is built once per session and served once per serving mode. Fixtures shared by
+# several modules live here because pytest instantiates an imported fixture once per importing module.
+
+
+@pytest.fixture(scope="session")
+def tiny_build(tmp_path_factory: pytest.TempPathFactory):
+    """configs/tiny-llama.yaml built by the pipeline: (loaded recipe, layout, packaged repository)."""
+    from kiln.pipeline.runner import Layout, run
+    from kiln.recipe.loader import load_recipe
+
+    root = tmp_path_factory.mktemp("tiny-build")
+    layout = Layout(root / "build", root / "triton_repo")
+    loaded = load_recipe(CONFIGS / "tiny-llama.yaml")
+    summary = run(loaded, layout, progress=False)
+    assert summary.failure is None, summary.failure
+    return loaded, layout, layout.repo_root / loaded.recipe.name
+
+
+def _serve(repo: Path):
+    from kiln.serve.server import ServerConfig, TritonServer, free_port
+
+    cfg = ServerConfig(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                       log_file=repo.parent / f"{repo.name}-server.log")
+    return TritonServer(cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_build):
+    """A real tritonserver serving the default recipe (decoupled: streaming clients)."""
+    with _serve(tiny_build[2]) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def tiny_server_nonstreaming(tiny_build):
+    """The default recipe repackaged with serving.streaming=false (only the package step runs), served."""
+    from kiln.pipeline.runner import Layout, run
+    from kiln.recipe.loader import load_recipe
+
+    _, layout, repo = tiny_build
+    loaded = load_recipe(CONFIGS / "tiny-llama.yaml", overrides=("serving.streaming=false",))
+    other = Layout(layout.build_root, repo.parent.parent / "triton_repo_nonstreaming")
+    summary = run(loaded, other, progress=False)
+    assert summary.failure is None, summary.failure
+    with _serve(other.repo_root / loaded.recipe.name) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def tiny_greedy(tiny_build):
+    """``greedy(prompt or prompt ids, max_tokens) -> (prompt ids, continuation ids, continuation text)``: Hugging
+    Face greedy generate on the served quantized model (ModelOpt state restored), decoded as the server does."""
+    import modelopt.torch.opt as mto
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    _, _, repo = tiny_build
+    ckpt = repo / "tensorrt_llm" / "1" / "checkpoint"
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    mto.restore(model, str(ckpt / "modelopt_state.pth"))
+    tok = Tokenizer.from_file(str(repo / "preprocessing" / "1" / "tokenizer" / "tokenizer.json"))
+    cache: dict = {}
+
+    def greedy(prompt, max_tokens: int):
+        ids = tok.encode(prompt, add_special_tokens=True).ids if isinstance(prompt, str) else list(prompt)
+        key = (tuple(ids), max_tokens)
+        if key not in cache:
+            with torch.no_grad():
+                x = torch.tensor([ids])
+                out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False)
+            gen = out[0, len(ids):].tolist()
+            eos = model.generation_config.eos_token_id
+            gen = gen[:-1] if gen and gen[-1] == eos else gen
+            cache[key] = (ids, gen, tok.decode(gen, skip_special_tokens=True))
+        return cache[key]
+
+    return greedy

@@ -12,12 +12,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from kiln.pipeline.runner import Layout, run
-from kiln.recipe.catalog import configs_dir
-from kiln.recipe.loader import load_recipe
 from kiln.serve.bench import BenchConfig, run_bench
 from kiln.serve.client import GenerationError, generate_http, generate_stream
-from kiln.serve.server import ServerConfig, TritonServer, free_port
+from kiln.serve.server import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -27,44 +24,19 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    root = tmp_path_factory.mktemp("e2e")
-    layout = Layout(root / "build", root / "triton_repo")
-    loaded = load_recipe(configs_dir() / "tiny-llama.yaml")
-    summary = run(loaded, layout, progress=False)
-    assert summary.failure is None, summary.failure
-    return loaded, layout, layout.repo_root / loaded.recipe.name
+def built(tiny_build):
+    return tiny_build  # built once per session (conftest), shared with the replay and OpenAI tests
 
 
 @pytest.fixture(scope="module")
-def server(built):
-    _, _, repo = built
-    cfg = ServerConfig(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-    with TritonServer(cfg) as srv:
-        yield srv
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture(scope="module")
-def greedy_reference(built):
+def greedy_reference(tiny_greedy):
     """Greedy completions from Hugging Face generate on the same quantized model (ModelOpt state restored)."""
-    import modelopt.torch.opt as mto
-    import torch
-    from tokenizers import Tokenizer
-    from transformers import AutoModelForCausalLM
-
-    _, layout, repo = built
-    ckpt = repo / "tensorrt_llm" / "1" / "checkpoint"
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    mto.restore(model, str(ckpt / "modelopt_state.pth"))
-    tok = Tokenizer.from_file(str(repo / "preprocessing" / "1" / "tokenizer" / "tokenizer.json"))
-    out = {}
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = torch.tensor([tok.encode(prompt, add_special_tokens=True).ids])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                                 do_sample=False)
-            out[prompt] = tok.decode(gen[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
-    return out
+    return {prompt: tiny_greedy(prompt, MAX_TOKENS)[2] for prompt in PROMPTS}
 
 
 def test_repository_is_complete_and_lints(built):
