@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from kiln.models.tiny import builtin_chat_template
 from kiln.recipe.loader import LoadedRecipe, load_recipe
 from kiln.recipe.schema import HF_PREFIX, Recipe
 from kiln.steps.base import StepContext, StepResult, StepSpec
@@ -82,7 +83,7 @@ def package(ctx: StepContext) -> PackageResult:
             engine_dir=_engine_dir(r, build_dir, quantize_dir, max_seq_len, scratch, "engine"),
             checkpoint_dir=quantize_dir / CHECKPOINT, fingerprint=ctx.fingerprint,
             versions=versions, draft=_draft_inputs(ctx, scratch, max_seq_len),
-            quality=quality.figures() or None)
+            quality=quality.figures() or None, chat_template=builtin_chat_template(r.model.source))
         with ctx.status("writing the Triton repository"):
             info = write_repository(inputs, ctx.out_dir, max_seq_len)
     findings = lint_repository(ctx.out_dir)
@@ -124,7 +125,8 @@ def _sources_hash(loaded: LoadedRecipe) -> dict[str, str]:
     h = hashlib.sha256()
     for p in sorted(models_source().rglob("*.py")):
         h.update(p.relative_to(models_source()).as_posix().encode() + p.read_bytes())
-    return {"triton_models": h.hexdigest()}
+    template = builtin_chat_template(loaded.recipe.model.source) or ""
+    return {"triton_models": h.hexdigest(), "chat_template": hashlib.sha256(template.encode()).hexdigest()}
 
 
 def _output_dir(loaded: LoadedRecipe, repo_root: Path) -> Path:

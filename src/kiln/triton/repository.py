@@ -58,6 +58,8 @@ class RepoInputs:
     versions: dict[str, str] = field(default_factory=dict)
     draft: Optional["RepoInputs"] = None
     quality: Optional[dict] = None
+    chat_template: Optional[str] = None
+    """A chat template for a tokenizer that has none (kiln's for its built-in model); written as chat_template.jinja"""
 
 
 def standin_engine_config(recipe: Recipe, max_seq_len: int, quantization: Optional[dict] = None,
@@ -262,15 +264,26 @@ def bls_config(r: Recipe, draft_name: Optional[str]):
 # ------------------------------------------------------------------------------------------------ writing
 
 
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "tokenizer.model", "config.json")
+                   "tokenizer.model", "config.json", CHAT_TEMPLATE_FILE)
 
 
-def _copy_tokenizer(src: Path, dst: Path) -> None:
+def has_chat_template(tokenizer_dir: Path) -> bool:
+    """Whether a tokenizer folder defines a chat template (chat_template.jinja, or tokenizer_config.json's key)."""
+    if (tokenizer_dir / CHAT_TEMPLATE_FILE).is_file():
+        return True
+    config = tokenizer_dir / "tokenizer_config.json"
+    return config.is_file() and bool(json.loads(config.read_text(encoding="utf-8")).get("chat_template"))
+
+
+def _copy_tokenizer(src: Path, dst: Path, chat_template: Optional[str] = None) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
+    if chat_template is not None and not has_chat_template(dst):
+        (dst / CHAT_TEMPLATE_FILE).write_text(chat_template, encoding="utf-8")
 
 
 #: Shipped beside every Python model's model.py (the backend puts the version directory on sys.path).
@@ -319,12 +332,12 @@ def write_repository(inp: RepoInputs, out: Path, max_seq_len: int) -> dict[str, 
     pre = out / "preprocessing"
     _write_config(pre, preprocessing_config(r, max_seq_len))
     install_python_model("preprocessing", pre)
-    _copy_tokenizer(inp.tokenizer_dir, pre / "1" / "tokenizer")
+    _copy_tokenizer(inp.tokenizer_dir, pre / "1" / "tokenizer", inp.chat_template)
 
     post = out / "postprocessing"
     _write_config(post, postprocessing_config(r))
     install_python_model("postprocessing", post)
-    _copy_tokenizer(inp.tokenizer_dir, post / "1" / "tokenizer")
+    _copy_tokenizer(inp.tokenizer_dir, post / "1" / "tokenizer", inp.chat_template)
 
     def write_llm(name: str, source: RepoInputs) -> Any:
         cfg = json.loads((source.engine_dir / "config.json").read_text())

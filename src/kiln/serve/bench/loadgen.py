@@ -16,6 +16,7 @@ from typing import Any
 from kiln.serve.bench.config import COUNT_REQUEST_TENSOR, COUNT_TENSOR, BenchConfig, BenchError, Level, sampling_array
 from kiln.serve.bench.report import BenchReport
 from kiln.serve.bench.stats import LevelResult, Outcome, Recorder
+from kiln.serve.wire import EMPTY_FINAL_PARAM, FINAL_PARAM, GRPC_OPTIONS, add_input, join_bytes_tensor
 
 #: Liveness probe: per-probe timeout, watchdog period, and how long probes may fail before the bench gives up.
 PROBE_TIMEOUT_S = 2.0
@@ -23,11 +24,6 @@ WATCHDOG_PERIOD_S = 1.0
 DEAD_AFTER_S = 4.0
 #: Pause before a client opens a new stream after its stream broke (the server was live).
 STREAM_RETRY_S = 0.05
-#: gRPC message size limit (tritonclient's).
-MAX_GRPC_MESSAGE_SIZE = 2**31 - 1
-#: Request parameter asking Triton to send an empty response for a flags-only final response.
-EMPTY_FINAL_PARAM = "triton_enable_empty_final_response"
-FINAL_PARAM = "triton_final_response"
 
 
 class _ServerGone(Exception):
@@ -58,10 +54,8 @@ class _RequestFactory:
     def __init__(self, cfg: BenchConfig, contract: _Contract) -> None:
         import numpy as np
         from tritonclient.grpc import service_pb2
-        from tritonclient.utils import serialize_byte_tensor
 
         self._pb = service_pb2
-        self._serialize = serialize_byte_tensor
         self._np = np
         self.cfg = cfg
         self.contract = contract
@@ -82,17 +76,7 @@ class _RequestFactory:
         self._base = base
 
     def _add(self, req: Any, name: str, arr: Any, dtype: str) -> None:
-        if self.contract.batched:
-            arr = arr.reshape((1,) + arr.shape)
-        tensor = req.inputs.add()
-        tensor.name = name
-        tensor.datatype = dtype
-        tensor.shape.extend(arr.shape)
-        if dtype == "BYTES":
-            raw = self._serialize(arr)  # a 0-d object array holding the serialized bytes
-            req.raw_input_contents.append(raw.item() if raw.size > 0 else b"")
-        else:
-            req.raw_input_contents.append(arr.tobytes())
+        add_input(req, name, arr, dtype, self.contract.batched)
 
     def build(self, prompt: str, request_id: str) -> Any:
         template = self._templates.get(prompt)
@@ -106,17 +90,6 @@ class _RequestFactory:
         req.CopyFrom(template)
         req.id = request_id
         return req
-
-
-def join_bytes_tensor(raw: bytes) -> bytes:
-    """The elements of a serialized BYTES tensor (each a 4-byte little-endian length, then the bytes), joined."""
-    parts = []
-    i, n = 0, len(raw)
-    while i + 4 <= n:
-        size = int.from_bytes(raw[i : i + 4], "little")
-        parts.append(raw[i + 4 : i + 4 + size])
-        i += 4 + size
-    return b"".join(parts)
 
 
 def _parse_response(resp: Any, output_name: str, want_counts: bool) -> tuple[bytes | None, int | None, bool]:
@@ -316,10 +289,7 @@ class _Session:
 
         self.channel = grpc.aio.insecure_channel(
             self.cfg.url,
-            options=[
-                ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
-                ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
-            ],
+            options=GRPC_OPTIONS,
         )
         self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
         self.health = _Health(self.stub)
