@@ -351,7 +351,39 @@ def test_package_fingerprint_covers_the_shared_helper(tmp_path, monkeypatch):
     copy = tmp_path / "models"
     shutil.copytree(models_source(), copy, ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setattr(repository, "models_source", lambda: copy)
-    before = package._sources_hash(None)
+    loaded = load_recipe(configs_dir() / "tiny-llama.yaml")
+    before = package._sources_hash(loaded)
     helper = copy / "kiln_triton_utils.py"
     helper.write_text(helper.read_text(encoding="utf-8") + "\n# changed\n", encoding="utf-8")
-    assert package._sources_hash(None) != before
+    assert package._sources_hash(loaded) != before
+
+
+def test_a_chat_template_is_written_for_a_tokenizer_without_one(tmp_path, tokenizer_dir):
+    """kiln's template for builtin:tiny-llama arrives at package time (RepoInputs.chat_template); a tokenizer that
+    has its own keeps it."""
+    import dataclasses
+
+    recipe = load_recipe(configs_dir() / "tiny-llama.yaml").recipe
+    inputs = dataclasses.replace(make_inputs(recipe, tmp_path / "a", tokenizer_dir, "1.2.1"), chat_template="T")
+    out = tmp_path / "a" / "repo"
+    out.mkdir()
+    write_repository(inputs, out, 512)
+    for model in ("preprocessing", "postprocessing"):
+        assert (out / model / "1" / "tokenizer" / "chat_template.jinja").read_text() == "T"
+    own = tmp_path / "own-tok"
+    shutil.copytree(tokenizer_dir, own)
+    (own / "chat_template.jinja").write_text("OWN")
+    inputs = dataclasses.replace(inputs, tokenizer_dir=own)
+    out = tmp_path / "b"
+    out.mkdir()
+    write_repository(inputs, out, 512)
+    assert (out / "preprocessing" / "1" / "tokenizer" / "chat_template.jinja").read_text() == "OWN"
+
+
+def test_package_writes_tiny_llamas_chat_template_and_fingerprints_it(monkeypatch):
+    from kiln.steps import package
+
+    loaded = load_recipe(configs_dir() / "tiny-llama.yaml")
+    before = package._sources_hash(loaded)["chat_template"]
+    monkeypatch.setattr(package, "builtin_chat_template", lambda source: "changed")
+    assert package._sources_hash(loaded)["chat_template"] != before, "a template change re-runs the package step"

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kiln.triton.deploy.openai_sidecar import OpenAISidecar, default_image
 from kiln.util.errors import InputError
 
 if TYPE_CHECKING:  # only for the annotation of DeployInfo.from_recipe
@@ -71,6 +72,8 @@ class DeployInfo:
     gpu: bool
     hub_token_secret: str | None = None
     tensorrt_llm_model_names: tuple[str, ...] = ("tensorrt_llm",)
+    openai: OpenAISidecar | None = None
+    """kiln's OpenAI-compatible server beside Triton (:mod:`kiln.triton.deploy.openai_sidecar`); None: none."""
 
     def __post_init__(self) -> None:
         if not self.recipe_name.strip():
@@ -88,10 +91,11 @@ class DeployInfo:
         for key, port in ports.items():
             if not 1 <= port <= 65_535:
                 raise InputError(f"deploy: {key} is {port}; use a port between 1 and 65535")
+        if self.openai is not None:
+            ports["serving.openai_port"] = self.openai.port
         if len(set(ports.values())) != len(ports):
             raise InputError(
-                "deploy: serving.http_port, serving.grpc_port and serving.metrics_port must differ "
-                f"(got {self.http_port}, {self.grpc_port}, {self.metrics_port})"
+                f"deploy: {', '.join(ports)} must differ (got {', '.join(str(p) for p in ports.values())})"
             )
         if SSH_PORT in ports.values() and self.multi_node:
             raise InputError(
@@ -147,6 +151,8 @@ class DeployInfo:
         decoding); ranks above 0 then load it too.
         """
         names = ("tensorrt_llm",) + ((draft_model_name,) if draft_model_name else ())
+        s = recipe.serving
+        openai = OpenAISidecar(s.openai_image or default_image(), s.openai_port, s.openai_model) if s.openai_sidecar else None
         return cls(
             recipe_name=recipe.name,
             image=image,
@@ -158,6 +164,7 @@ class DeployInfo:
             gpu=recipe.target == "tensorrt",
             hub_token_secret=hub_token_secret,
             tensorrt_llm_model_names=names,
+            openai=openai,
         )
 
 
