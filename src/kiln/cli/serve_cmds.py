@@ -189,7 +189,12 @@ def _levels(text: str) -> tuple[int, ...]:
 
 @cli.command()
 @click.option("--url", default=f"127.0.0.1:{DEFAULTS.grpc_port}", show_default=True, help="gRPC host:port.")
-@click.option("--model", default="ensemble", show_default=True, type=click.Choice(["ensemble", "tensorrt_llm_bls"]))
+@click.option("--openai", "openai_url", metavar="URL",
+              help="Load an OpenAI-compatible server instead (kiln's, vLLM, trtllm-serve, ...): its base URL, e.g. "
+                   "http://127.0.0.1:9000/v1. Same levels, same report.")
+@click.option("--model", default="ensemble", show_default=True,
+              help="The Triton model (ensemble or tensorrt_llm_bls); with --openai the model id (default: the "
+                   "server's first).")
 @click.option("--concurrency", default="1,4,16", show_default=True, help="Fixed concurrency levels.")
 @click.option("--rate", type=float, help="Open-loop request rate (req/s) instead of fixed concurrency.")
 @click.option("--poisson", is_flag=True, help="With --rate: Poisson arrivals.")
@@ -202,12 +207,17 @@ def _levels(text: str) -> tuple[int, ...]:
 @click.option("--recipe", help="Compare figures against the planner's ideal for this recipe …")
 @click.option("--gpu", help="… on this GPU (default: the recipe's hardware.gpu).")
 @handle_errors
-def bench(url, model, concurrency, rate, poisson, duration, input_len, output_len, prompts, out_dir, recipe, gpu):
-    """Load a running server (gRPC streaming) and report TTFT, ITL, latency percentiles and throughput."""
+def bench(url, openai_url, model, concurrency, rate, poisson, duration, input_len, output_len, prompts, out_dir, recipe,
+          gpu):
+    """Load a running server (Triton gRPC streaming, or --openai an OpenAI-compatible one) and report TTFT, ITL,
+    latency percentiles and throughput."""
     from kiln.serve.bench import BenchConfig, compare_with_plan, format_comparison, format_report, load_prompts, run_bench
 
     prompt_set = load_prompts(prompts) if prompts else None
-    cfg = BenchConfig(url=url, model=model, concurrency=_levels(concurrency), rate=rate, poisson=poisson,
+    if not openai_url and model not in ("ensemble", "tensorrt_llm_bls"):
+        raise InputError(f"--model {model!r}: a Triton bench calls ensemble or tensorrt_llm_bls")
+    cfg = BenchConfig(url=openai_url or url, model=model, api="openai" if openai_url else "triton",
+                      concurrency=_levels(concurrency), rate=rate, poisson=poisson,
                       duration_s=duration, input_len=input_len, output_len=output_len,
                       prompts=tuple(prompt_set.prompts) if prompt_set else None,
                       expected=prompt_set.expected if prompt_set else None)

@@ -37,6 +37,46 @@ def add_input(req: Any, name: str, arr: Any, dtype: str, batched: bool) -> None:
         req.raw_input_contents.append(arr.tobytes())
 
 
+_PACK = {"BOOL": "<?", "INT32": "<i", "INT64": "<q", "UINT64": "<Q", "FP32": "<f"}
+
+
+def add_scalar_input(req: Any, name: str, value: Any, dtype: str, batched: bool) -> None:
+    """Append a one-element input (``[1]``, or ``[1, 1]`` with a batch dimension) without numpy; a BYTES value
+    is a ``bytes`` object, or a list of them (shape ``[n]``)."""
+    import struct
+
+    tensor = req.inputs.add()
+    tensor.name = name
+    tensor.datatype = dtype
+    if dtype == "BYTES":
+        items = value if isinstance(value, list) else [value]
+        tensor.shape.extend(([1] if batched else []) + [len(items)])
+        req.raw_input_contents.append(b"".join(struct.pack("<I", len(b)) + b for b in items))
+        return
+    tensor.shape.extend([1, 1] if batched else [1])
+    req.raw_input_contents.append(struct.pack(_PACK[dtype], value))
+
+
+def raw_int32_sum(resp: Any, index: int) -> int:
+    """The sum of an INT32 output (raw contents) without numpy."""
+    import struct
+
+    if index < len(resp.raw_output_contents):
+        return sum(v for (v,) in struct.iter_unpack("<i", resp.raw_output_contents[index]))
+    return int(sum(resp.outputs[index].contents.int_contents))
+
+
+def raw_fp32_list(resp: Any, index: int) -> list[float]:
+    """An FP32 output's values (raw contents) without numpy."""
+    from array import array
+
+    if index < len(resp.raw_output_contents):
+        values = array("f")
+        values.frombytes(resp.raw_output_contents[index])
+        return values.tolist()
+    return list(resp.outputs[index].contents.fp32_contents)
+
+
 def join_bytes_tensor(raw: bytes) -> bytes:
     """The elements of a serialized BYTES tensor (each a 4-byte little-endian length, then the bytes), joined."""
     parts = []
@@ -52,17 +92,6 @@ def is_final(resp: Any) -> bool:
     """Whether a ``ModelInferResponse`` is the last one of its request."""
     param = resp.parameters.get(FINAL_PARAM)
     return bool(param is not None and param.bool_param)
-
-
-def output_numbers(resp: Any, index: int, dtype: Any) -> Any:
-    """Output ``index`` of a response as a flat numpy array of ``dtype`` (raw or typed contents)."""
-    import numpy as np
-
-    if index < len(resp.raw_output_contents):
-        return np.frombuffer(resp.raw_output_contents[index], dtype=dtype)
-    contents = resp.outputs[index].contents
-    values = contents.fp32_contents if np.dtype(dtype).kind == "f" else contents.int_contents
-    return np.asarray(values, dtype=dtype)
 
 
 def output_bytes(resp: Any, index: int) -> bytes:

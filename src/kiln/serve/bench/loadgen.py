@@ -353,6 +353,22 @@ class _Session:
             return "model"
         return "responses" if self.cfg.streaming else "unknown"
 
+    def client(self, name: str) -> _VirtualClient:
+        return _VirtualClient(self, name)
+
+    def describe(self) -> dict[str, Any]:
+        """What the report says about the model (after open)."""
+        return {"name": self.cfg.model, **self.contract.to_dict(), "token_basis": self.token_basis()}
+
+
+def make_session(cfg: BenchConfig) -> Any:
+    """The session for ``cfg.api``: Triton gRPC streaming, or an OpenAI-compatible HTTP server."""
+    if cfg.api == "openai":
+        from kiln.serve.bench.openai_api import OpenAISession
+
+        return OpenAISession(cfg)
+    return _Session(cfg)
+
 
 async def _closed_loop(session: _Session, level: Level, rec: Recorder, deadline: float) -> None:
     """``level.value`` clients, each sending its next request as soon as the previous one ends."""
@@ -361,7 +377,7 @@ async def _closed_loop(session: _Session, level: Level, rec: Recorder, deadline:
     prompts = session.prompts
 
     async def client(n: int) -> None:
-        vc = _VirtualClient(session, f"{level.label}-{n}")
+        vc = session.client(f"{level.label}-{n}")
         try:
             while time.perf_counter() < deadline:
                 idx = next(counter, None)
@@ -414,7 +430,7 @@ async def _open_loop(session: _Session, level: Level, rec: Recorder, deadline: f
                 await asyncio.sleep(delay)
             if pool.empty() and made < cfg.max_outstanding:
                 made += 1
-                pool.put_nowait(_VirtualClient(session, f"{level.label}-{made}"))
+                pool.put_nowait(session.client(f"{level.label}-{made}"))
             vc = await pool.get()
             rec.send_lag.append(max(0.0, time.perf_counter() - next_at) * 1e3)
             rec.sent += 1
@@ -485,7 +501,7 @@ async def run_level(cfg: BenchConfig, level: Level | int | float) -> LevelResult
     """
     if not isinstance(level, Level):
         level = Level("rate", float(level)) if cfg.rate is not None else Level("concurrency", float(int(level)))
-    session = _Session(cfg)
+    session = make_session(cfg)
     try:
         await session.open()
         return await _run_level(session, level)
@@ -497,18 +513,17 @@ async def run_bench_async(cfg: BenchConfig) -> BenchReport:
     """All of ``cfg``'s levels, in order, on one connection (see :func:`run_bench`)."""
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     t0 = time.perf_counter()
-    session = _Session(cfg)
+    session = make_session(cfg)
     results: list[LevelResult] = []
+    opened = False
 
     def report() -> BenchReport:
-        model = {"name": cfg.model, "token_basis": None}
-        if getattr(session, "contract", None) is not None and hasattr(session, "factory"):
-            model.update(session.contract.to_dict())
-            model["token_basis"] = session.token_basis()
+        model = session.describe() if opened else {"name": cfg.model, "token_basis": None}
         return BenchReport(cfg.to_dict(), model, list(results), started, time.perf_counter() - t0)
 
     try:
         await session.open()
+        opened = True
         for level in cfg.levels():
             results.append(await _run_level(session, level))
     except BenchError as exc:

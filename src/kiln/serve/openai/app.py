@@ -108,6 +108,11 @@ class Completion:
         self.output_tokens: int | None = None
         self.tokens: list[tuple[str, float]] = []
         self.chunks = 0
+        # a text chunk without log-probs is the same JSON but for its text: pre-rendered around it
+        envelope = json.dumps(self._envelope([{"index": 0, "logprobs": None, "finish_reason": None}], chunk=True),
+                              ensure_ascii=False)
+        head = envelope[: -len("}]}")] + (', "delta": {"content": ' if req.chat else ', "text": ')
+        self._head, self._tail = b"data: " + head.encode("utf-8"), (b"}}]}\n\n" if req.chat else b"}]}\n\n")
 
     def add(self, chunk: Chunk) -> tuple[str, list[tuple[str, float]]]:
         """Take a Triton response; return the text to send now and its (token, logprob) pairs."""
@@ -175,6 +180,10 @@ class Completion:
             choice["text"] = text or ""
         return self._envelope([choice], chunk=True)
 
+    def text_event(self, text: str) -> bytes:
+        """The SSE event of a text chunk without log-probs (the common case, pre-rendered)."""
+        return self._head + json.dumps(text, ensure_ascii=False).encode("utf-8") + self._tail
+
     def whole(self) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(self.tokens), "finish_reason": self.finish_reason}
         if self.req.chat:
@@ -186,6 +195,10 @@ class Completion:
         return body
 
 
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+
+
 def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n\n"
 
@@ -194,11 +207,13 @@ def create_app(backend: TritonBackend, info: ModelInfo) -> Any:
     """The Starlette app serving ``info.name`` through ``backend``; the backend opens and closes with the app."""
     import contextlib
 
+    import asyncio
+
     import anyio
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
     def model_object() -> dict[str, Any]:
@@ -237,30 +252,63 @@ def create_app(backend: TritonBackend, info: ModelInfo) -> Any:
             return prompt, max(1, info.max_seq_len - info.count(prompt, True))
         return prompt, COMPLETIONS_DEFAULT_MAX_TOKENS
 
-    async def generate(request: Request, chat: bool) -> Response:
-        req = parse_request(await request.body(), chat)
-        prompt, max_tokens = prepare(req)
-        done = Completion(req, info, prompt, max_tokens)
-        gen = backend.generate(req, prompt, max_tokens)
-        if not req.stream:
+    class Generate:
+        """``POST /v1/completions`` or ``/v1/chat/completions`` as a plain ASGI app (no Request/Response objects
+        on the hot path): errors before the first event propagate to the app's OpenAI error handlers."""
+
+        def __init__(self, chat: bool) -> None:
+            self.chat = chat
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            raw = b""
+            while True:
+                message = await receive()
+                raw += message.get("body", b"")
+                if not message.get("more_body"):
+                    break
+            req = parse_request(raw, self.chat)
+            prompt, max_tokens = prepare(req)
+            done = Completion(req, info, prompt, max_tokens)
+            gen = backend.generate(req, prompt, max_tokens)
+            if not req.stream:
+                try:
+                    async for chunk in gen:
+                        done.add(chunk)
+                        if done.cutter.stopped:
+                            break
+                finally:
+                    await gen.aclose()
+                done.finish()
+                await JSONResponse(done.whole())(scope, receive, send)
+                return
             try:
-                async for chunk in gen:
-                    done.add(chunk)
-                    if done.cutter.stopped:
-                        break
-            finally:
+                first = await gen.__anext__()  # errors before the first event are plain 4xx responses
+            except StopAsyncIteration:
+                first = Chunk(final=True)
+            except BaseException:
                 await gen.aclose()
-            done.finish()
-            return JSONResponse(done.whole())
-        try:
-            first = await gen.__anext__()  # errors before the first event are plain 4xx responses
-        except StopAsyncIteration:
-            first = Chunk(final=True)
-        except BaseException:
-            await gen.aclose()
-            raise
-        return StreamingResponse(events(done, first, gen), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                raise
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            task = asyncio.current_task()
+            gone = asyncio.Event()
+
+            async def until_disconnect() -> None:  # uvicorn drops what is sent after a disconnect: watch for it
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                gone.set()
+                task.cancel()
+
+            watcher = asyncio.ensure_future(until_disconnect())
+            try:
+                async for data in events(done, first, gen):
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except asyncio.CancelledError:
+                if not gone.is_set():
+                    raise
+                # the client went away: events() closed the Triton request on its way out; nothing more to send
+            finally:
+                watcher.cancel()
 
     async def events(done: Completion, first: Chunk, gen: AsyncIterator[Chunk]) -> AsyncIterator[bytes]:
         try:
@@ -269,8 +317,10 @@ def create_app(backend: TritonBackend, info: ModelInfo) -> Any:
             chunk: Chunk | None = first
             while chunk is not None:
                 text, pairs = done.add(chunk)
-                if text or pairs:
+                if pairs:
                     yield _sse(done.chunk(text, pairs))
+                elif text:
+                    yield done.text_event(text)
                 if done.cutter.stopped or chunk.final:
                     break
                 chunk = await gen.__anext__()
@@ -291,12 +341,6 @@ def create_app(backend: TritonBackend, info: ModelInfo) -> Any:
             yield _sse(final)
         yield b"data: [DONE]\n\n"
 
-    async def completions(request: Request) -> Response:
-        return await generate(request, chat=False)
-
-    async def chat_completions(request: Request) -> Response:
-        return await generate(request, chat=True)
-
     async def api_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)
         return JSONResponse(exc.body(), status_code=exc.status)
@@ -315,8 +359,8 @@ def create_app(backend: TritonBackend, info: ModelInfo) -> Any:
 
     routes = [
         Route("/v1/models", models), Route("/v1/models/{model:path}", model),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", Generate(chat=False), methods=["POST"]),
+        Route("/v1/chat/completions", Generate(chat=True), methods=["POST"]),
         Route("/health", health),
     ]
     return Starlette(routes=routes, lifespan=lifespan,

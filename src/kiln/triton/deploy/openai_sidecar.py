@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 #: The sidecar's base image (any Python 3.10+ with pip works).
 SIDECAR_BASE_IMAGE = "python:3.11-slim"
 #: What the sidecar image installs besides kiln itself (installed with --no-deps).
-SIDECAR_PACKAGES = ("starlette>=0.40", "uvicorn>=0.30", "jinja2>=3.1", "tokenizers>=0.20", "tritonclient[grpc]>=2.50",
+SIDECAR_PACKAGES = ("starlette>=0.40", "uvicorn>=0.30", "uvloop>=0.19", "httptools>=0.6", "jinja2>=3.1", "tokenizers>=0.20", "tritonclient[grpc]>=2.50",
                     "numpy>=1.24,<2", "protobuf>=4")
 
 
