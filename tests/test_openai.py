@@ -235,3 +235,14 @@ def test_a_client_that_goes_away_stops_the_triton_request(client, api, tiny_serv
     while not stopped() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert stopped()
+
+
+def test_cli_serve_openai_flags(tmp_path: Path, kiln) -> None:
+    """`kiln serve --openai` runs beside a local server only; `kiln openai --help` names the sidecar's options."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "kiln.json").write_text("{}")
+    result = kiln("serve", repo, "--openai", "--docker")
+    assert result.exit_code == 2 and "kiln openai --triton-url" in result.output
+    result = kiln("openai", "--help")
+    assert result.exit_code == 0 and "--triton-url" in result.output and "--repo" in result.output
