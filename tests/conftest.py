@@ -127,3 +127,72 @@ class HFGreedy:
 def hf_greedy(default_build) -> HFGreedy:
     """Greedy completions from Hugging Face ``generate`` on the default build's model (see :class:`HFGreedy`)."""
     return HFGreedy(default_build[2])
+
+
+# Shared by test_end_to_end, test_client_replay and test_openai: the same session build and server under the
+# names those modules use, plus the non-streaming repackaging and greedy references by token ids.
+@pytest.fixture(scope="session")
+def tiny_build(default_build):
+    """configs/tiny-llama.yaml built by the pipeline (the session's one default build)."""
+    return default_build
+
+
+def _serve(repo: Path):
+    from kiln.serve.server import ServerConfig, TritonServer, free_port
+
+    cfg = ServerConfig(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                       log_file=repo.parent / f"{repo.name}-server.log")
+    return TritonServer(cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(default_server):
+    """A real tritonserver serving the default recipe (decoupled: streaming clients): the session's one."""
+    return default_server
+
+
+@pytest.fixture(scope="session")
+def tiny_server_nonstreaming(tiny_build):
+    """The default recipe repackaged with serving.streaming=false (only the package step runs), served."""
+    from kiln.pipeline.runner import Layout, run
+    from kiln.recipe.loader import load_recipe
+
+    _, layout, repo = tiny_build
+    loaded = load_recipe(CONFIGS / "tiny-llama.yaml", overrides=("serving.streaming=false",))
+    other = Layout(layout.build_root, repo.parent.parent / "triton_repo_nonstreaming")
+    summary = run(loaded, other, progress=False)
+    assert summary.failure is None, summary.failure
+    with _serve(other.repo_root / loaded.recipe.name) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def tiny_greedy(tiny_build):
+    """``greedy(prompt or prompt ids, max_tokens) -> (prompt ids, continuation ids, continuation text)``: Hugging
+    Face greedy generate on the served quantized model (ModelOpt state restored), decoded as the server does."""
+    import modelopt.torch.opt as mto
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    _, _, repo = tiny_build
+    ckpt = repo / "tensorrt_llm" / "1" / "checkpoint"
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    mto.restore(model, str(ckpt / "modelopt_state.pth"))
+    tok = Tokenizer.from_file(str(repo / "preprocessing" / "1" / "tokenizer" / "tokenizer.json"))
+    cache: dict = {}
+
+    def greedy(prompt, max_tokens: int):
+        ids = tok.encode(prompt, add_special_tokens=True).ids if isinstance(prompt, str) else list(prompt)
+        key = (tuple(ids), max_tokens)
+        if key not in cache:
+            with torch.no_grad():
+                x = torch.tensor([ids])
+                out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False)
+            gen = out[0, len(ids):].tolist()
+            eos = model.generation_config.eos_token_id
+            gen = gen[:-1] if gen and gen[-1] == eos else gen
+            cache[key] = (ids, gen, tok.decode(gen, skip_special_tokens=True))
+        return cache[key]
+
+    return greedy

@@ -58,6 +58,8 @@ OUT_LEN = 8
         ({"url": "127.0.0.1:8001", "prompts": ()}, "prompts"),
         ({"url": "127.0.0.1:8001", "expected": {"a": "b"}}, "give prompts as well"),
         ({"url": "127.0.0.1:8001", "prompts": ("x",), "expected": {"a": "b"}}, "expected keys must be the prompts"),
+        ({"url": "127.0.0.1:9000", "api": "openai"}, "base URL, e.g. http://127.0.0.1:9000/v1"),
+        ({"url": "http://h:9000/v1", "api": "openai", "sampling": {"prompt": "x"}}, "bench's own inputs"),
     ],
 )
 def test_config_rejects_bad_settings(kwargs: dict, fragment: str) -> None:
@@ -564,3 +566,38 @@ def test_server_failure_mid_run_ends_the_bench(tmp_path: Path, how: str, rate: f
         if how == "hung" and server.proc is not None:
             os.kill(server.proc.pid, signal.SIGCONT)
         server.stop()
+
+
+# ============================================================================ kiln bench --openai
+@pytest.mark.integration
+def test_openai_bench_has_the_same_report(mock_server, tmp_path: Path) -> None:
+    """`kiln bench --openai URL`: the same levels and report against an OpenAI-compatible server (kiln's, in front
+    of the mock): texts match, the server's usage counts the tokens, model errors are counted."""
+    from click.testing import CliRunner
+
+    from kiln.cli.main import cli
+    from kiln.serve.openai import OpenAIConfig, OpenAIServer
+    from kiln.serve.server import free_port
+
+    prompts = _prompts(4)
+    cfg = OpenAIConfig(triton_url=mock_server.urls()["grpc"], triton_model="mock_counts", port=free_port())
+    with OpenAIServer(cfg):
+        url = f"{cfg.url}/v1"
+        report = run_bench(BenchConfig(url=url, api="openai", concurrency=(1, 4), duration_s=1.5, output_len=OUT_LEN,
+                                       prompts=prompts, expected=_expected(prompts)))
+        assert report.total_errors == 0, format_report(report)
+        assert report.model == {"name": "mock_counts", "api": "openai", "url": url, "token_basis": "model"}
+        for lv in report.levels:
+            assert lv.completed > 3 and lv.mismatches == 0 and lv.output_tokens == lv.completed * OUT_LEN
+            assert 0 < lv.ttft_p50_ms <= lv.e2e_p50_ms and lv.itl_p50_ms >= 0.9  # the mock sleeps 1 ms per token
+        failing = run_bench(BenchConfig(url=url, api="openai", concurrency=(2,), duration_s=1.0, output_len=OUT_LEN,
+                                        prompts=(prompts[0], "kiln-mock-fail now")))
+        level = failing.levels[0]
+        assert level.error_kinds.get("model", 0) > 0 and level.completed > 0
+        assert "mock model failed" in level.error_samples[0]
+        out = CliRunner().invoke(cli, ["bench", "--openai", url, "--concurrency", "2", "--duration", "1",
+                                       "--output-len", "4", "--out", str(tmp_path / "cli")])
+        assert out.exit_code == 0, out.output
+        assert "output tokens counted from: model" in out.output and (tmp_path / "cli" / "bench.json").is_file()
+    with pytest.raises(BenchError, match="cannot reach the OpenAI-compatible server"):
+        run_bench(BenchConfig(url=f"http://127.0.0.1:{free_port()}/v1", api="openai", duration_s=1))

@@ -22,10 +22,12 @@ import yaml
 from kiln.recipe.schema import Recipe
 from kiln.triton import deploy as dp
 from kiln.triton.deploy import DeployInfo
+from kiln.triton.deploy.openai_sidecar import OpenAISidecar
 from kiln.util.errors import InputError
 from tests.standins import serving_site, stub_repository
 
 IMAGE = "nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3"
+SIDECAR = OpenAISidecar("kiln-openai:0.1.0", 9000)
 BASH = shutil.which("bash")
 needs_bash = pytest.mark.skipif(BASH is None, reason="bash is not installed")
 
@@ -58,7 +60,7 @@ def case(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[DeployInfo, Pa
     """A DeployInfo, its deploy directory (``<tmp>/deploy/<recipe>``, repository at ``<tmp>/triton_repo/<recipe>``)
     and the paths written."""
     _, world_size, gpn, gpu = request.param
-    info = make_info(world_size, gpn, gpu, hub_token_secret="hf-token")
+    info = make_info(world_size, gpn, gpu, hub_token_secret="hf-token", openai=SIDECAR)  # the sidecar is on by default
     repo = tmp_path / "triton_repo" / info.recipe_name
     repo.mkdir(parents=True)
     out = tmp_path / "deploy" / info.recipe_name
@@ -93,7 +95,7 @@ def test_files_written(case: tuple[DeployInfo, Path, list[Path]]) -> None:
         if info.multi_node
         else ["k8s/deployment.yaml", "k8s/service.yaml"]
     )
-    assert rel == sorted(["README.md", "docker-compose.yml", "launch.sh", *k8s]
+    assert rel == sorted(["README.md", "docker-compose.yml", "launch.sh", "Dockerfile.openai", *k8s]
                          + (["Dockerfile.multinode"] if info.multi_node else []))
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == rel
     assert (out / "launch.sh").stat().st_mode & stat.S_IXUSR
@@ -346,7 +348,11 @@ def test_pods_follow_policy(case: tuple[DeployInfo, Path, list[Path]]) -> None:
         volumes = {v["name"]: v for v in spec["volumes"]}
         assert volumes["model-repo"]["persistentVolumeClaim"] == {"claimName": dp.pvc_name(info), "readOnly": True}
         assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
-        (container,) = spec["containers"]
+        container, *sidecars = spec["containers"]
+        assert [c["name"] for c in sidecars] in ([], ["openai"])
+        for other in sidecars:  # the same policy for the OpenAI sidecar
+            assert other["securityContext"] == container["securityContext"]
+            assert "readinessProbe" in other and "livenessProbe" in other
         assert container["image"] == IMAGE
         sc = container["securityContext"]
         assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
@@ -365,7 +371,8 @@ def test_pods_follow_policy(case: tuple[DeployInfo, Path, list[Path]]) -> None:
 def test_server_pod_probes_and_scrape_annotations(case: tuple[DeployInfo, Path, list[Path]]) -> None:
     info, out, _ = case
     server = pod_templates(out)[0]  # the Deployment's pod or the LWS leader
-    (container,) = server["spec"]["containers"]
+    container = server["spec"]["containers"][0]
+    assert container["name"] == "triton"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
     assert container["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
@@ -375,7 +382,7 @@ def test_server_pod_probes_and_scrape_annotations(case: tuple[DeployInfo, Path, 
     assert any(v["name"] == "HF_TOKEN" for v in container["env"])
     (service,) = load_all(out / "k8s" / "service.yaml")
     assert {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {
-        "http": (8000, "http"), "grpc": (8001, "grpc"), "metrics": (8002, "metrics")}
+        "http": (8000, "http"), "grpc": (8001, "grpc"), "metrics": (8002, "metrics"), "openai": (9000, "openai")}
     assert service["spec"]["selector"].items() <= server["metadata"]["labels"].items()
     if not info.multi_node:
         (deployment,) = load_all(out / "k8s" / "deployment.yaml")
@@ -548,9 +555,10 @@ def test_deploy_info_rejects_bad_input(kw: dict[str, Any], match: str) -> None:
 def test_from_recipe() -> None:
     recipe = Recipe.model_validate(
         {"name": "big", "parallelism": {"tp": 8, "pp": 2}, "hardware": {"gpus_per_node": 8},
-         "serving": {"http_port": 9000, "grpc_port": 9001, "metrics_port": 9002}}
+         "serving": {"http_port": 9000, "grpc_port": 9001, "metrics_port": 9002, "openai_port": 9003}}
     )
     info = DeployInfo.from_recipe(recipe, IMAGE, hub_token_secret="hf", draft_model_name="draft_llm")
+    assert info.openai is not None and (info.openai.port, info.openai.triton_model) == (9003, "ensemble")
     assert (info.world_size, info.gpus_per_node, info.multi_node, info.pods_per_group, info.gpus_per_pod) == (
         16, 8, True, 2, 8)
     assert (info.http_port, info.grpc_port, info.metrics_port, info.gpu) == (9000, 9001, 9002, True)
@@ -632,3 +640,43 @@ def test_draft_target_with_tp_runs_in_orchestrator_mode() -> None:
     assert "export TRTLLM_ORCHESTRATOR=1" in dp.render_launch_script(info)
     with pytest.raises(InputError, match="one node"):
         make_info(16, tensorrt_llm_model_names=("tensorrt_llm", "tensorrt_llm_draft"), orchestrator_gpus=16)
+
+# ------------------------------------------------------------------------------------------ the OpenAI sidecar
+
+
+def test_openai_sidecar_in_compose_and_kubernetes(case: tuple[DeployInfo, Path, list[Path]]) -> None:
+    """The same app as `kiln serve --openai`, beside Triton: a Compose service and a container of the serving pod
+    (the leader's in a LeaderWorkerSet), reaching Triton's gRPC port and reading the repository read-only."""
+    info, out, _ = case
+    expected_args = ["--triton-model", "ensemble", "--repo", "/models", "--host", "0.0.0.0", "--port", "9000"]
+    svc = yaml.safe_load((out / "docker-compose.yml").read_text())["services"]["openai"]
+    assert svc["image"] == SIDECAR.image and svc["ports"] == ["9000:9000"]
+    assert svc["command"] == ["python3", "-m", "kiln.serve.openai", "--triton-url", "triton:8001", *expected_args]
+    assert svc["depends_on"] == {"triton": {"condition": "service_healthy"}}
+    assert svc["volumes"][0]["read_only"] is True and svc["volumes"][0]["target"] == "/models"
+    serving = [t for t in pod_templates(out) if t["metadata"]["labels"]["app.kubernetes.io/component"] != "worker"]
+    for template in serving:
+        sidecar = next(c for c in template["spec"]["containers"] if c["name"] == "openai")
+        assert sidecar["command"] == ["python3", "-m", "kiln.serve.openai", "--triton-url", "127.0.0.1:8001",
+                                      *expected_args]
+        assert sidecar["readinessProbe"]["httpGet"] == {"path": "/health", "port": "openai"}
+        assert sidecar["volumeMounts"] == [{"name": "model-repo", "mountPath": "/models", "readOnly": True}]
+    workers = [t for t in pod_templates(out) if t["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"]
+    assert all(len(t["spec"]["containers"]) == 1 for t in workers), "workers serve nothing"
+    [service] = load_all(out / "k8s" / "service.yaml")
+    assert {"name": "openai", "port": 9000, "targetPort": "openai", "protocol": "TCP"} in service["spec"]["ports"]
+    dockerfile = (out / "Dockerfile.openai").read_text()
+    assert f"-t {SIDECAR.image}" in dockerfile and "--no-deps /opt/kiln" in dockerfile and "USER 1000:1000" in dockerfile
+    readme = (out / "README.md").read_text()
+    assert "/v1/completions" in readme and "openai_frontend/main.py" in readme, "the sidecar and Triton's own frontend"
+
+
+def test_openai_sidecar_off_and_port_clash(tmp_path: Path) -> None:
+    info = make_info()
+    paths = dp.write_deploy_files(info, tmp_path / "d")
+    assert "openai" not in yaml.safe_load((tmp_path / "d" / "docker-compose.yml").read_text())["services"]
+    assert not (tmp_path / "d" / "Dockerfile.openai").exists() and len(paths) == 5
+    with pytest.raises(InputError, match="serving.openai_port must differ"):
+        make_info(openai=OpenAISidecar("kiln-openai:0.1.0", 8001))
+    recipe = Recipe.model_validate({"name": "r", "serving": {"openai_sidecar": False}})
+    assert DeployInfo.from_recipe(recipe, IMAGE).openai is None

@@ -141,6 +141,28 @@ def test_ensemble_keeps_the_client_contract(tmp_path, tokenizer_dir):
     assert [s.model_name for s in ens.ensemble_scheduling.step] == ["preprocessing", "tensorrt_llm", "postprocessing"]
 
 
+def _tensors(config, kind: str) -> list[tuple]:
+    return [(t.name, model_config_pb2.DataType.Name(t.data_type), tuple(t.dims), getattr(t, "optional", False),
+             tuple(t.reshape.shape) if t.HasField("reshape") else None) for t in getattr(config, kind)]
+
+
+@pytest.mark.parametrize("recipe_name", ["tiny-llama.yaml", "llama-3.1-8b/fp8.yaml"])  # reference, tensorrt
+def test_every_model_declares_upstreams_whole_tensor_lists(tmp_path, tokenizer_dir, recipe_name):
+    """Names, types, dims, optional flags and reshapes exactly as upstream's configs, for every target: existing
+    clients send any of them (issue 12: kiln once declared 14 of preprocessing's 34 tensors)."""
+    from kiln.triton.repository import FILLED_TYPES
+
+    recipe = load_recipe(configs_dir() / recipe_name).recipe
+    repo = make_repo(recipe, tmp_path, tokenizer_dir)
+    for name in ("preprocessing", "tensorrt_llm", "postprocessing", "ensemble", "tensorrt_llm_bls"):
+        config = parse(repo / name / "config.pbtxt")
+        up = MODELS[name]
+        for kind, specs in (("input", up.inputs), ("output", up.outputs)):
+            expected = [(t.name, FILLED_TYPES.get(t.data_type, t.data_type), t.dims,
+                         t.optional if kind == "input" else False, t.reshape) for t in specs]
+            assert _tensors(config, kind) == expected, f"{name} {kind}s differ from upstream's"
+
+
 def assert_python_models_shipped_whole(repo: Path) -> list[str]:
     """Every Python model's version directory holds the shared helper and every module its model.py imports
     from kiln's model sources, each byte-identical to the source; no model imports kiln. Returns the models."""
@@ -329,7 +351,39 @@ def test_package_fingerprint_covers_the_shared_helper(tmp_path, monkeypatch):
     copy = tmp_path / "models"
     shutil.copytree(models_source(), copy, ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setattr(repository, "models_source", lambda: copy)
-    before = package._sources_hash(None)
+    loaded = load_recipe(configs_dir() / "tiny-llama.yaml")
+    before = package._sources_hash(loaded)
     helper = copy / "kiln_triton_utils.py"
     helper.write_text(helper.read_text(encoding="utf-8") + "\n# changed\n", encoding="utf-8")
-    assert package._sources_hash(None) != before
+    assert package._sources_hash(loaded) != before
+
+
+def test_a_chat_template_is_written_for_a_tokenizer_without_one(tmp_path, tokenizer_dir):
+    """kiln's template for builtin:tiny-llama arrives at package time (RepoInputs.chat_template); a tokenizer that
+    has its own keeps it."""
+    import dataclasses
+
+    recipe = load_recipe(configs_dir() / "tiny-llama.yaml").recipe
+    inputs = dataclasses.replace(make_inputs(recipe, tmp_path / "a", tokenizer_dir, "1.2.1"), chat_template="T")
+    out = tmp_path / "a" / "repo"
+    out.mkdir()
+    write_repository(inputs, out, 512)
+    for model in ("preprocessing", "postprocessing"):
+        assert (out / model / "1" / "tokenizer" / "chat_template.jinja").read_text() == "T"
+    own = tmp_path / "own-tok"
+    shutil.copytree(tokenizer_dir, own)
+    (own / "chat_template.jinja").write_text("OWN")
+    inputs = dataclasses.replace(inputs, tokenizer_dir=own)
+    out = tmp_path / "b"
+    out.mkdir()
+    write_repository(inputs, out, 512)
+    assert (out / "preprocessing" / "1" / "tokenizer" / "chat_template.jinja").read_text() == "OWN"
+
+
+def test_package_writes_tiny_llamas_chat_template_and_fingerprints_it(monkeypatch):
+    from kiln.steps import package
+
+    loaded = load_recipe(configs_dir() / "tiny-llama.yaml")
+    before = package._sources_hash(loaded)["chat_template"]
+    monkeypatch.setattr(package, "builtin_chat_template", lambda source: "changed")
+    assert package._sources_hash(loaded)["chat_template"] != before, "a template change re-runs the package step"

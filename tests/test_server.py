@@ -20,6 +20,7 @@ from triton_harness import build_tiny_model, hf_greedy, load_restored_model
 from kiln.serve.client import GenerationError, generate_http, generate_stream
 from kiln.serve.server import ServerConfig, ServerError, TritonServer, find_tritonserver, free_port, tail
 from kiln.triton.repository import install_python_model
+from kiln.triton.upstream import MODELS as UPSTREAM
 
 PROMPTS = ["The quick brown fox", "Zürich café", "Beautiful is better than"]
 MAX_TOKENS = 24
@@ -47,26 +48,18 @@ def _model(name: str, backend: str, inputs: list[str], outputs: list[str], param
     )
 
 
-LLM_INPUTS = [
-    _tensor("input_ids", "TYPE_INT32", "-1"),
-    _tensor("input_lengths", "TYPE_INT32", "1", scalar=True),
-    _tensor("request_output_len", "TYPE_INT32", "1", scalar=True),
-    _tensor("end_id", "TYPE_INT32", "1", optional=True, scalar=True),
-    _tensor("pad_id", "TYPE_INT32", "1", optional=True, scalar=True),
-    _tensor("beam_width", "TYPE_INT32", "1", optional=True, scalar=True),
-    _tensor("temperature", "TYPE_FP32", "1", optional=True, scalar=True),
-    _tensor("runtime_top_k", "TYPE_INT32", "1", optional=True, scalar=True),
-    _tensor("runtime_top_p", "TYPE_FP32", "1", optional=True, scalar=True),
-    _tensor("min_tokens", "TYPE_INT32", "1", optional=True, scalar=True),
-    _tensor("seed", "TYPE_UINT64", "1", optional=True, scalar=True),
-    _tensor("return_log_probs", "TYPE_BOOL", "1", optional=True, scalar=True),
-    _tensor("exclude_input_in_output", "TYPE_BOOL", "1", optional=True, scalar=True),
-    _tensor("streaming", "TYPE_BOOL", "1", optional=True, scalar=True),
-    _tensor("stop_words_list", "TYPE_INT32", "2, -1", optional=True),
-    _tensor("bad_words_list", "TYPE_INT32", "2, -1", optional=True),
-    _tensor("draft_input_ids", "TYPE_INT32", "-1", optional=True),
-    _tensor("stop", "TYPE_BOOL", "1", optional=True),
-]
+def _upstream_tensor(t) -> str:
+    """One tensor of upstream's contract as config text (templated types filled as kiln fills them)."""
+    from kiln.triton.repository import FILLED_TYPES
+
+    extra = (" reshape: { shape: [ ] }" if t.reshape == () else "") + (" optional: true" if t.optional else "")
+    extra += " allow_ragged_batch: true" if t.allow_ragged_batch else ""
+    dims = ", ".join(map(str, t.dims))
+    return f'  {{ name: "{t.name}" data_type: {FILLED_TYPES.get(t.data_type, t.data_type)} dims: [ {dims} ]{extra} }}'
+
+
+#: upstream's tensorrt_llm inputs: the BLS passes on everything preprocessing returns, as upstream's BLS does
+LLM_INPUTS = [_upstream_tensor(t) for t in UPSTREAM["tensorrt_llm"].inputs]
 LLM_OUTPUTS = [
     _tensor("output_ids", "TYPE_INT32", "-1, -1"),
     _tensor("sequence_length", "TYPE_INT32", "-1"),
@@ -146,15 +139,8 @@ def write_repository(root: Path, model_dir: Path, decoupled: bool = True, draft_
         _tensor("END_ID", "TYPE_INT32", "1", optional=True),
         _tensor("PAD_ID", "TYPE_INT32", "1", optional=True),
     ]
-    pre_outputs = [
-        _tensor("INPUT_ID", "TYPE_INT32", "-1"),
-        _tensor("REQUEST_INPUT_LEN", "TYPE_INT32", "1"),
-        _tensor("BAD_WORDS_IDS", "TYPE_INT32", "2, -1"),
-        _tensor("STOP_WORDS_IDS", "TYPE_INT32", "2, -1"),
-        _tensor("REQUEST_OUTPUT_LEN", "TYPE_INT32", "-1"),
-        _tensor("OUT_END_ID", "TYPE_INT32", "1"),
-        _tensor("OUT_PAD_ID", "TYPE_INT32", "1"),
-    ]
+    # every output upstream's preprocessing declares: the BLS asks for them by name, as upstream's BLS does
+    pre_outputs = [_tensor(t.name, t.data_type, ", ".join(map(str, t.dims))) for t in UPSTREAM["preprocessing"].outputs]
     llm_params = dict(max_tokens_in_paged_kv_cache=1024, tokens_per_block=16, max_num_tokens=256, num_threads=2)
     models = {
         "preprocessing": ("preprocessing", _model(
@@ -172,7 +158,7 @@ def write_repository(root: Path, model_dir: Path, decoupled: bool = True, draft_
             [_tensor("text_input", "TYPE_STRING", "1"), _tensor("max_tokens", "TYPE_INT32", "1"), *CLIENT_INPUTS,
              _tensor("num_draft_tokens", "TYPE_INT32", "1", optional=True)],
             [_tensor("text_output", "TYPE_STRING", "-1")],
-            _params(tensorrt_llm_model_name="tensorrt_llm", accumulate_tokens="true",
+            _params(tensorrt_llm_model_name="tensorrt_llm", accumulate_tokens="false",
                     **({"tensorrt_llm_draft_model_name": "tensorrt_llm_draft"} if draft_dir else {})),
             decoupled)),
     }

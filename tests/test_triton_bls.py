@@ -16,6 +16,8 @@ from triton_harness import (  # noqa: F401 - fixtures are used by name
     PRE_OUTPUTS,
     FakeLogger,
     FakeRequest,
+    FakeResponse,
+    FakeTensor,
     build_tiny_model,
     error_of,
     hf_greedy,
@@ -66,8 +68,26 @@ def bls_text(model: Any, prompt: str, max_tokens: int, **extra: Any) -> tuple[li
     pieces = []
     for resp in request.sender.wait():
         assert not resp.has_error(), resp.error().message()
-        pieces.append(resp.get("text_output")[0, 0].decode("utf-8"))
+        out = resp.get("text_output")
+        assert out.ndim == 1, "text_output is one flat array of batch x beams strings, as upstream's"
+        pieces.append(out[0].decode("utf-8"))
     return pieces, request
+
+
+class PerTokenLLM:
+    """A stand-in for TensorRT-LLM's backend as the BLS sees it when streaming: one response per token, with no
+    regard for UTF-8 character boundaries (kiln's reference runtime holds such chunks back; the GPU backend
+    does not). It streams ``ids`` for any request."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def execute(self, requests: list[FakeRequest]) -> None:
+        for request in requests:
+            for tok in self.ids:
+                request.sender.send(FakeResponse([FakeTensor("output_ids", np.array([[[tok]]], np.int32)),
+                                                  FakeTensor("sequence_length", np.array([[1]], np.int32))]))
+            request.sender.send(None, 1)
 
 
 @pytest.mark.integration
@@ -131,3 +151,61 @@ def test_bls_reports_request_errors(bls_pipeline: Any) -> None:
                            "stream": np.array([[True]])})
     bls.execute([request])
     assert "decoupled" in error_of(request.sender.wait()[0])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_bls_streaming_text_never_splits_a_character(bls_pipeline: Any, tokenizer: Any, accumulate: bool) -> None:
+    """accumulate_tokens false: deltas (clients append); true: the full text so far (clients overwrite). Either
+    way no response carries a split UTF-8 character, even from a backend that cuts chunks per token."""
+    text = "東京 😀 café"
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    assert len(ids) > len(text), "characters spread over several tokens"
+    BLS_MODELS["per_token"] = PerTokenLLM(ids)
+    bls = start_bls(bls_pipeline, tensorrt_llm_model_name="per_token", accumulate_tokens=str(accumulate).lower())
+    pieces, _ = bls_text(bls, "hi", 40, stream=True)
+    assert not any("\ufffd" in p for p in pieces), pieces
+    assert len(pieces) == len(ids), "one response per response of the language model"
+    if accumulate:
+        assert pieces[-1] == text and all(text.startswith(p) for p in pieces)
+        assert [len(p) for p in pieces] == sorted(len(p) for p in pieces)
+    else:
+        assert "".join(pieces) == text and sum(1 for p in pieces if p) > 1
+
+
+@pytest.mark.integration
+def test_bls_accepts_every_upstream_input_and_names_what_it_cannot_do(bls_pipeline: Any) -> None:
+    bls = start_bls(bls_pipeline)
+
+    def error(**extra: Any) -> str:
+        inputs = {"text_input": text_array("hi"), "max_tokens": np.array([[4]], np.int32)}
+        inputs.update(extra)
+        request = FakeRequest(inputs)
+        bls.execute([request])
+        return error_of(request.sender.wait()[0])
+
+    url = np.array([[b"http://example.com/cat.png"]], dtype=np.object_)
+    assert "image input needs a multimodal encoder model" in error(image_url_input=url)
+    assert "needs a draft model" in error(num_draft_tokens=np.array([[5]], np.int32),
+                                          use_draft_logits=np.array([True]))
+    assert "generation logits are not produced by the reference target" in error(
+        return_generation_logits=np.array([True]))
+    assert "LoRA adapters are not supported by the reference target" in error(lora_task_id=np.array([3], np.uint64))
+    # use_draft_logits without speculative decoding, and the decoder input of a decoder-only model: accepted
+    pieces, _ = bls_text(bls, "hi", 4, use_draft_logits=False, decoder_text_input=b"x")
+    assert pieces and pieces[0]
+
+
+@pytest.mark.integration
+def test_bls_speculative_decoding_with_use_draft_logits(bls_pipeline: Any, hf_model: Any, tokenizer: Any) -> None:
+    """The speculative-decoding client's use_draft_logits: false runs token comparison; true asks the draft for
+    its generation logits, which the reference target refuses by name."""
+    bls = start_bls(bls_pipeline, tensorrt_llm_draft_model_name="draft_same", decoupled=False)
+    prompt = "Beautiful is better than"
+    expected = tokenizer.decode(hf_greedy(hf_model, tokenizer.encode(prompt).ids, 12))
+    [text], _ = bls_text(bls, prompt, 12, exclude_input_in_output=True, num_draft_tokens=3, use_draft_logits=False)
+    assert text == expected
+    request = FakeRequest({"text_input": text_array(prompt), "max_tokens": np.array([[12]], np.int32),
+                           "num_draft_tokens": np.array([[3]], np.int32), "use_draft_logits": np.array([True])})
+    bls.execute([request])
+    assert "generation logits are not produced by the reference target" in error_of(request.sender.wait()[0])

@@ -18,6 +18,7 @@ import pytest
 from triton_harness import (  # noqa: F401 - fixtures are used by name
     MODELS_DIR,
     PRE_OUTPUTS,
+    PRE_TEXT_OUTPUTS,
     FakeRequest,
     error_of,
     load_model_module,
@@ -53,7 +54,50 @@ def test_preprocessing_tokenizes_and_pads_a_batch(preprocessing: Any, tokenizer_
     assert resp.get("REQUEST_OUTPUT_LEN").tolist() == [[5], [7]]
     assert resp.get("OUT_END_ID").tolist() == [[1], [1]] and resp.get("OUT_PAD_ID").tolist() == [[1], [1]]
     assert resp.get("STOP_WORDS_IDS").shape == (2, 2, 0) and resp.get("BAD_WORDS_IDS").shape == (2, 2, 0)
-    assert {t.name() for t in resp.output_tensors()} == set(PRE_OUTPUTS), "exactly the declared outputs"
+    assert {t.name() for t in resp.output_tensors()} == PRE_TEXT_OUTPUTS, "upstream's outputs for a text request"
+    # decoder-only: upstream's decoder outputs are one pad token of length 1; no embedding bias: [batch, 0]
+    assert resp.get("DECODER_INPUT_ID").tolist() == [[1], [1]]
+    assert resp.get("REQUEST_DECODER_INPUT_LEN").tolist() == [[1], [1]]
+    assert resp.get("EMBEDDING_BIAS").shape == (2, 0) and resp.get("EMBEDDING_BIAS").dtype == np.float32
+
+
+def test_preprocessing_encodes_a_decoder_query(preprocessing: Any, tokenizer_dir: Path) -> None:
+    tok = tok_of(tokenizer_dir)
+    request = FakeRequest({"QUERY": text_array("a"), "DECODER_QUERY": text_array("lazy dog"), "REQUEST_OUTPUT_LEN": [[3]]})
+    [resp] = preprocessing.execute([request])
+    ids = tok.encode("lazy dog").ids
+    assert resp.get("DECODER_INPUT_ID").tolist() == [ids] and resp.get("REQUEST_DECODER_INPUT_LEN").tolist() == [[len(ids)]]
+
+
+def test_preprocessing_embedding_bias_and_prompt_table_ids(preprocessing: Any, tokenizer_dir: Path) -> None:
+    tok = tok_of(tokenizer_dir)
+    words = np.array([[b"fox", b"dog"]], dtype=np.object_)
+    weights = np.array([[2.0, -1.5]], dtype=np.float32)
+    request = FakeRequest({"QUERY": text_array("a"), "REQUEST_OUTPUT_LEN": [[3]], "EMBEDDING_BIAS_WORDS": words,
+                           "EMBEDDING_BIAS_WEIGHTS": weights, "PROMPT_TABLE_EXTRA_ID": np.array([[7]], np.uint64)})
+    [resp] = preprocessing.execute([request])
+    bias = resp.get("EMBEDDING_BIAS")
+    assert bias.shape == (1, tok.get_vocab_size())
+    expected = np.zeros(tok.get_vocab_size(), np.float32)
+    for word, weight in (("fox", 2.0), ("dog", -1.5)):
+        for t in tok.encode(word, add_special_tokens=False).ids:
+            expected[t] += weight
+    assert np.array_equal(bias[0], expected) and expected.any()
+    extra = resp.get("OUT_PROMPT_TABLE_EXTRA_IDS")
+    assert extra.dtype == np.uint64 and extra.shape == resp.get("INPUT_ID").shape and not extra.any(), (
+        "no prompt-table positions (ids >= vocabulary) in a text prompt"
+    )
+    [bad] = preprocessing.execute([FakeRequest({"QUERY": text_array("a"), "REQUEST_OUTPUT_LEN": [[3]],
+                                                "EMBEDDING_BIAS_WORDS": words})])
+    assert "must be sent together" in error_of(bad)
+
+
+@pytest.mark.parametrize("name", ["IMAGE_URL", "IMAGE_BYTES", "VIDEO_BYTES", "IMAGE_SIZES"])
+def test_preprocessing_refuses_images_by_name(preprocessing: Any, name: str) -> None:
+    value = np.array([[b"http://x/cat.png"]], dtype=np.object_) if name == "IMAGE_URL" else np.ones((1, 1, 2, 2, 3))
+    [resp] = preprocessing.execute([FakeRequest({"QUERY": text_array("a"), "REQUEST_OUTPUT_LEN": [[3]], name: value})])
+    message = error_of(resp)
+    assert "not supported" in message and "text-only" in message and name in message
 
 
 def test_preprocessing_honours_add_special_tokens_false(pb_utils: Any, tokenizer_dir: Path) -> None:
@@ -134,8 +178,9 @@ def test_postprocessing_decodes_up_to_sequence_length(postprocessing: Any, token
     tokens[0, 0, : len(a)], tokens[1, 0, : len(b)] = a, b
     [resp] = postprocessing.execute([FakeRequest({"TOKENS_BATCH": tokens, "SEQUENCE_LENGTH": [[len(a)], [len(b)]]})])
     out = resp.get("OUTPUT")
-    assert out.shape == (2, 1)
-    assert [x.decode() for x in out[:, 0]] == ["Zürich café", "lazy dog"], "special <s> skipped, padding cut"
+    assert out.shape == (2,), "one flat array of batch x beams strings, as upstream's model returns"
+    assert [x.decode() for x in out] == ["Zürich café", "lazy dog"], "special <s> skipped, padding cut"
+    assert isinstance(out[0], bytes), "clients read output[0] as bytes"
 
 
 def test_postprocessing_keeps_special_tokens_when_asked(pb_utils: Any, tokenizer_dir: Path) -> None:
@@ -144,7 +189,7 @@ def test_postprocessing_keeps_special_tokens_when_asked(pb_utils: Any, tokenizer
     model.initialize(model_args(params, {"OUTPUT": "TYPE_STRING"}))
     ids = tok_of(tokenizer_dir).encode("kiln").ids
     [resp] = model.execute([FakeRequest({"TOKENS_BATCH": [[ids]], "SEQUENCE_LENGTH": [[len(ids)]]})])
-    assert resp.get("OUTPUT")[0, 0].decode().startswith("<s>")
+    assert resp.get("OUTPUT")[0].decode().startswith("<s>")
 
 
 def test_chunks_cut_at_character_boundaries_decode_to_the_whole_text(pb_utils: Any, tokenizer_dir: Path) -> None:

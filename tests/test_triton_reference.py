@@ -293,7 +293,13 @@ def test_reference_cancellation_frees_the_request(llm: Any) -> None:
 @pytest.mark.parametrize(
     ("extra", "max_new", "message"),
     [
-        ({"beam_width": 2}, 4, "beam_width=2 is not supported"),
+        ({"beam_width": 2}, 4, "beam_width=2 is not supported by the reference target"),
+        ({"return_context_logits": True}, 4, "context logits are not produced by the reference target"),
+        ({"return_generation_logits": True}, 4, "generation logits are not produced by the reference target"),
+        ({"lora_task_id": np.uint64(3)}, 4, "LoRA adapters are not supported by the reference target"),
+        ({"guided_decoding_guide": np.array([[b"{}"]], dtype=np.object_)}, 4, "guided decoding is not supported"),
+        ({"prompt_embedding_table": np.ones((1, 2, 4), np.float16)}, 4, "prompt tuning"),
+        ({"draft_logits": np.ones((1, 2, 4), np.float32)}, 4, "draft logits"),
         ({"repetition_penalty": np.float32(1.3)}, 4, "repetition_penalty"),
         ({}, 5000, "needs 5003 KV-cache tokens, but the cache holds 1024"),
         ({}, 0, "request_output_len must be at least 1"),
@@ -324,3 +330,32 @@ def test_reference_refuses_token_ids_outside_the_vocabulary(llm: Any) -> None:
     assert llm.mgr.is_running()
 
 
+
+
+@pytest.mark.integration
+def test_reference_accepts_inputs_it_ignores_as_tensorrt_llm_does(llm: Any) -> None:
+    """What upstream's clients send to a decoder-only model: the decoder inputs (ignored, as the backend does),
+    neutral settings of features it lacks, and the logits flags set to false."""
+    plain = llm_request([[0, 5, 6]], 5)
+    extras = llm_request([[0, 5, 6]], 5, decoder_input_ids=np.array([[1]], np.int32), decoder_input_lengths=1,
+                         return_context_logits=False, return_generation_logits=False, runtime_top_p_decay=np.float32(1),
+                         prompt_table_extra_ids=np.zeros((1, 3), np.uint64), early_stopping=True, len_penalty=np.float32(1))
+    llm.execute([plain, extras])
+    assert generated(extras.sender.wait()[0]) == generated(plain.sender.wait()[0])
+
+
+@pytest.mark.integration
+def test_reference_token_counts_and_embedding_bias(llm: Any) -> None:
+    want = {"return_num_input_tokens": True, "return_num_output_tokens": True}
+    whole = llm_request([[0, 5, 6, 7]], 6, exclude_input_in_output=True, **want)
+    stream = llm_request([[0, 5, 6, 7]], 6, streaming=True, **want)
+    bias = np.zeros((1, 64), np.float32)
+    bias[0, 42] = 1e4  # outweighs any logit: greedy picks token 42 every step
+    biased = llm_request([[0, 5, 6]], 4, exclude_input_in_output=True, embedding_bias=bias)
+    llm.execute([whole, stream, biased])
+    [resp] = whole.sender.wait()
+    assert resp.get("num_input_tokens").tolist() == [[4]] and resp.get("num_output_tokens").tolist() == [[6]]
+    parts = stream.sender.wait()
+    assert sum(int(r.get("num_output_tokens")[0, 0]) for r in parts) == 6, "streaming: each response's new tokens"
+    assert all(r.get("num_input_tokens").tolist() == [[4]] for r in parts)
+    assert generated(biased.sender.wait()[0]) == [[42, 42, 42, 42]]

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kiln.triton.upstream import MODELS as UPSTREAM
+
 MODELS_DIR = Path(__file__).resolve().parents[1] / "src" / "kiln" / "triton" / "models"
 FINAL = 1  # TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -326,11 +328,12 @@ def pb_utils() -> Any:
 def load_model_module(name: str) -> types.ModuleType:
     """Import ``src/kiln/triton/models/<name>/model.py`` as Triton's stub would (needs the pb_utils fixture).
 
-    The stub puts the model's version directory on ``sys.path``, where kiln ships ``kiln_triton_utils.py``
-    beside ``model.py``; here the source directory that holds it goes on ``sys.path`` instead.
+    The stub puts the model's version directory on ``sys.path``, where kiln ships ``kiln_triton_utils.py`` and
+    the model's other modules beside ``model.py``; here the source directories that hold them go on ``sys.path``.
     """
-    if str(MODELS_DIR) not in sys.path:
-        sys.path.insert(0, str(MODELS_DIR))
+    for folder in (MODELS_DIR, MODELS_DIR / name):  # the helper, and the modules kiln ships beside model.py
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
     spec = importlib.util.spec_from_file_location(f"kiln_triton_model_{name}", MODELS_DIR / name / "model.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -360,10 +363,13 @@ def error_of(response: FakeResponse) -> str:
 
 
 # ============================================================================ shared fixtures and helpers
-PRE_OUTPUTS = {
-    "INPUT_ID": "TYPE_INT32", "REQUEST_INPUT_LEN": "TYPE_INT32", "BAD_WORDS_IDS": "TYPE_INT32",
-    "STOP_WORDS_IDS": "TYPE_INT32", "REQUEST_OUTPUT_LEN": "TYPE_INT32", "OUT_END_ID": "TYPE_INT32",
-    "OUT_PAD_ID": "TYPE_INT32",
+#: Every output upstream's preprocessing config declares (what kiln's repositories declare too).
+PRE_OUTPUTS = {t.name: t.data_type for t in UPSTREAM["preprocessing"].outputs}
+#: The ones a text request gets back, as from upstream's model (the vision outputs are never produced, the
+#: prompt-table ids only when PROMPT_TABLE_EXTRA_ID is sent).
+PRE_TEXT_OUTPUTS = {
+    "INPUT_ID", "REQUEST_INPUT_LEN", "DECODER_INPUT_ID", "REQUEST_DECODER_INPUT_LEN", "BAD_WORDS_IDS",
+    "STOP_WORDS_IDS", "EMBEDDING_BIAS", "REQUEST_OUTPUT_LEN", "OUT_END_ID", "OUT_PAD_ID",
 }
 
 
@@ -404,7 +410,7 @@ def make_seq(ref: Any, **kwargs: Any) -> Any:
 
 LLM_OUTPUTS = {
     "output_ids": "TYPE_INT32", "sequence_length": "TYPE_INT32", "cum_log_probs": "TYPE_FP32",
-    "output_log_probs": "TYPE_FP32",
+    "output_log_probs": "TYPE_FP32", "num_input_tokens": "TYPE_INT32", "num_output_tokens": "TYPE_INT32",
 }
 RUNTIME_PARAMS = {"tokens_per_block": 16, "max_tokens_in_paged_kv_cache": 1024, "max_num_tokens": 256, "num_threads": 2}
 

@@ -50,13 +50,17 @@ def _prepare(target: str, overrides, build_dir: Path, repo_dir: Path):
 @click.option("--metrics-port", type=int, help="Metrics port (default: serving.metrics_port).")
 @click.option("--docker", is_flag=True, help="Run the NGC serving container named in the repository's kiln.json.")
 @click.option("--background", is_flag=True, help="Detach once ready; stop it with `kiln stop`.")
+@click.option("--openai", "openai", is_flag=True,
+              help="Also serve kiln's OpenAI-compatible API (/v1/completions, /v1/chat/completions) in front of Triton.")
+@click.option("--openai-port", type=int, help="Its port (default: serving.openai_port).")
 @click.option("--timeout", type=float, default=300, show_default=True, help="Seconds to wait for readiness.")
 @click.option("--state-file", type=click.Path(path_type=Path), hidden=True)
 @layout_options
 @handle_errors
-def serve(target, overrides, host, http_port, grpc_port, metrics_port, docker, background, timeout, state_file,
-          build_dir, repo_dir):
+def serve(target, overrides, host, http_port, grpc_port, metrics_port, docker, background, openai, openai_port,
+          timeout, state_file, build_dir, repo_dir):
     """Serve TARGET (a recipe, built first if needed, or a packaged repository) with a real tritonserver."""
+    from kiln.serve.openai import OpenAIConfig
     from kiln.serve.server import ServerConfig
     from kiln.serve.session import (check_engine_here, docker_command, run_docker, serve_foreground,
                                     start_background, state_file_for)
@@ -65,7 +69,14 @@ def serve(target, overrides, host, http_port, grpc_port, metrics_port, docker, b
     cfg = ServerConfig(repo=repo, host=host or serving.host, http_port=http_port or serving.http_port,
                        grpc_port=grpc_port or serving.grpc_port, metrics_port=metrics_port or serving.metrics_port)
     info = json.loads((repo / "kiln.json").read_text()) if (repo / "kiln.json").is_file() else {}
+    front = None
+    if openai:
+        front = OpenAIConfig(triton_url="", triton_model=serving.openai_model, repo=repo, host=cfg.host,
+                             port=openai_port or serving.openai_port)
     if docker:
+        if openai:
+            raise InputError("--openai runs beside a local server; with --docker, run `kiln openai --triton-url "
+                             "HOST:GRPC_PORT --repo REPO` next to the container")
         cmd = docker_command(repo, info, cfg)
         err.print("$ " + " ".join(cmd), markup=False)
         sys.exit(run_docker(cmd))
@@ -75,6 +86,8 @@ def serve(target, overrides, host, http_port, grpc_port, metrics_port, docker, b
         argv = [sys.executable, "-m", "kiln", "serve", str(repo), "--host", cfg.host,
                 "--http-port", str(cfg.http_port), "--grpc-port", str(cfg.grpc_port),
                 "--metrics-port", str(cfg.metrics_port), "--timeout", str(timeout), "--state-file", str(sf)]
+        if front is not None:
+            argv += ["--openai", "--openai-port", str(front.port)]
         state = start_background(argv, sf, sf.with_suffix(".log"), timeout)
         _announce(state, background=True)
         return
@@ -82,7 +95,7 @@ def serve(target, overrides, host, http_port, grpc_port, metrics_port, docker, b
     def announce(state: dict) -> None:
         _announce(state, background=False)
 
-    sys.exit(serve_foreground(cfg, announce, state_file, timeout))
+    sys.exit(serve_foreground(cfg, announce, state_file, timeout, openai=front))
 
 
 def _announce(state: dict, background: bool) -> None:
@@ -91,8 +104,34 @@ def _announce(state: dict, background: bool) -> None:
     out.print(f"  http    {urls['http']}   (POST {urls['http']}/v2/models/ensemble/generate)", markup=False)
     out.print(f"  grpc    {urls['grpc']}", markup=False)
     out.print(f"  metrics {urls['metrics']}", markup=False)
+    if "openai" in urls:
+        out.print(f"  openai  {urls['openai']}   (POST {urls['openai']}/chat/completions, /completions)", markup=False)
     out.print("stop with: kiln stop" if background else "Ctrl-C to stop", markup=False)
     sys.stdout.flush()
+
+
+@cli.command("openai")
+@click.option("--triton-url", default=f"127.0.0.1:{DEFAULTS.grpc_port}", show_default=True,
+              help="Triton's gRPC endpoint, host:port.")
+@click.option("--repo", type=click.Path(path_type=Path, exists=True, file_okay=False),
+              help="The packaged repository: the served name (its recipe), chat template and tokenizer.")
+@click.option("--triton-model", default=DEFAULTS.openai_model, show_default=True,
+              help="The Triton model called (ensemble contract: text_input, max_tokens -> text_output).")
+@click.option("--model-name", help="The id clients send as `model` (default: the recipe's name, else the Triton model).")
+@click.option("--host", default=DEFAULTS.host, show_default=True, help="Address to bind (0.0.0.0 in a container).")
+@click.option("--port", type=int, default=DEFAULTS.openai_port, show_default=True)
+@handle_errors
+def openai_cmd(triton_url, repo, triton_model, model_name, host, port):
+    """Serve kiln's OpenAI-compatible API in front of a running Triton server (the deploy files' sidecar)."""
+    from kiln.serve.openai import OpenAIConfig, OpenAIServer
+
+    cfg = OpenAIConfig(triton_url=triton_url, triton_model=triton_model, repo=repo, model_name=model_name,
+                       host=host, port=port)
+    server = OpenAIServer(cfg)
+    out.print(f"OpenAI-compatible API on {cfg.url}/v1 → Triton {triton_model} at {triton_url} (Ctrl-C to stop)",
+              markup=False)
+    sys.stdout.flush()
+    server.run()
 
 
 @cli.command()
@@ -151,7 +190,12 @@ def _levels(text: str) -> tuple[int, ...]:
 
 @cli.command()
 @click.option("--url", default=f"127.0.0.1:{DEFAULTS.grpc_port}", show_default=True, help="gRPC host:port.")
-@click.option("--model", default="ensemble", show_default=True, type=click.Choice(["ensemble", "tensorrt_llm_bls"]))
+@click.option("--openai", "openai_url", metavar="URL",
+              help="Load an OpenAI-compatible server instead (kiln's, vLLM, trtllm-serve, ...): its base URL, e.g. "
+                   "http://127.0.0.1:9000/v1. Same levels, same report.")
+@click.option("--model", default="ensemble", show_default=True,
+              help="The Triton model (ensemble or tensorrt_llm_bls); with --openai the model id (default: the "
+                   "server's first).")
 @click.option("--concurrency", default="1,4,16", show_default=True, help="Fixed concurrency levels.")
 @click.option("--rate", type=float, help="Open-loop request rate (req/s) instead of fixed concurrency.")
 @click.option("--poisson", is_flag=True, help="With --rate: Poisson arrivals.")
@@ -165,12 +209,17 @@ def _levels(text: str) -> tuple[int, ...]:
               "model: isl = --input-len, osl = --output-len, the level's concurrency) …")
 @click.option("--gpu", help="… on this GPU (default: the recipe's hardware.gpu).")
 @handle_errors
-def bench(url, model, concurrency, rate, poisson, duration, input_len, output_len, prompts, out_dir, recipe, gpu):
-    """Load a running server (gRPC streaming) and report TTFT, ITL, latency percentiles and throughput."""
+def bench(url, openai_url, model, concurrency, rate, poisson, duration, input_len, output_len, prompts, out_dir, recipe,
+          gpu):
+    """Load a running server (Triton gRPC streaming, or --openai an OpenAI-compatible one) and report TTFT, ITL,
+    latency percentiles and throughput."""
     from kiln.serve.bench import BenchConfig, compare_with_plan, format_comparison, format_report, load_prompts, run_bench
 
     prompt_set = load_prompts(prompts) if prompts else None
-    cfg = BenchConfig(url=url, model=model, concurrency=_levels(concurrency), rate=rate, poisson=poisson,
+    if not openai_url and model not in ("ensemble", "tensorrt_llm_bls"):
+        raise InputError(f"--model {model!r}: a Triton bench calls ensemble or tensorrt_llm_bls")
+    cfg = BenchConfig(url=openai_url or url, model=model, api="openai" if openai_url else "triton",
+                      concurrency=_levels(concurrency), rate=rate, poisson=poisson,
                       duration_s=duration, input_len=input_len, output_len=output_len,
                       prompts=tuple(prompt_set.prompts) if prompt_set else None,
                       expected=prompt_set.expected if prompt_set else None)

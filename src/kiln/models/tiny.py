@@ -47,6 +47,7 @@ __all__ = [
     "TINY_LLAMA",
     "TinyLlamaRecipe",
     "build_tiny_llama",
+    "builtin_chat_template",
     "cache_root",
     "calibration_texts",
     "ensure_tiny_llama",
@@ -63,6 +64,9 @@ BUILDER_VERSION = 1
 #: The special tokens, in id order (ids 0..3).
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = (UNK, BOS, EOS, PAD)
+#: The chat template kiln gives the built-in model (it has none of its own: it never saw chat data). It is added
+#: when a repository is packaged, not when the model is built, so it is not part of the model's cache key.
+CHAT_TEMPLATE_FILE = "tiny-llama.chat_template.jinja"
 #: A file written last into the model directory, with the recipe and the training figures.
 BUILD_RECORD = "kiln_tiny_llama.json"
 #: Files a finished model directory always has.
@@ -99,6 +103,16 @@ DEFAULT_RECIPE = TinyLlamaRecipe()
 
 
 # --------------------------------------------------------------------------------------------- cache
+
+
+def builtin_chat_template(source: str) -> str | None:
+    """The chat template kiln ships for a built-in model source (``builtin:tiny-llama``), None for other sources
+    (their tokenizer's own template, if any, is used)."""
+    if source != TINY_LLAMA:
+        return None
+    from importlib import resources
+
+    return (resources.files("kiln.models") / "data" / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
 
 
 def cache_root() -> pathlib.Path:

@@ -325,6 +325,23 @@ class ServingSection(Section):
     stock NGC image lacks) and pushed to your registry. Empty: `kiln-trtllm-multinode:<serving tag>`, the name the
     Dockerfile's build command gives."""
 
+    openai_port: Annotated[int, Field(ge=1, le=65_535)] = 9000
+    """Port of kiln's OpenAI-compatible server (`/v1/completions`, `/v1/chat/completions`): `kiln serve --openai`
+    and the deploy files' sidecar."""
+
+    openai_model: Literal["ensemble", "tensorrt_llm_bls"] = "ensemble"
+    """The Triton model the OpenAI-compatible server calls. `tensorrt_llm_bls` decodes streamed text from all
+    tokens so far, so a multi-byte character is never split on the tensorrt target (the ensemble decodes each
+    token on its own there, as upstream); the ensemble is the faster path."""
+
+    openai_sidecar: bool = True
+    """Deploy files (tensorrt target) run kiln's OpenAI-compatible server beside Triton (a Compose service, a
+    second container in the Kubernetes pod)."""
+
+    openai_image: Optional[str] = None
+    """Image of the OpenAI sidecar: one with kiln installed. Empty: `kiln-openai:<kiln version>`, built from the
+    serving image with the `Dockerfile.openai` kiln writes beside the deploy files."""
+
 
 class EngineRuntimeSection(Section):
     kind: Literal["container", "local"] = "container"

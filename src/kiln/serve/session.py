@@ -3,6 +3,7 @@ state file that `kiln stop` uses; and the `--docker` command for the NGC serving
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from kiln.serve.openai import OpenAIConfig, OpenAIServer
 from kiln.serve.server import ServerConfig, ServerError, TritonServer, tail
 from kiln.util.errors import InputError
 
@@ -31,8 +33,9 @@ def _write_state(path: Path, state: dict) -> None:
 
 
 def serve_foreground(cfg: ServerConfig, announce: Callable[[dict], None], state_file: Optional[Path] = None,
-                     timeout_s: float = 300) -> int:
-    """Start the server, announce its endpoints, serve until SIGINT/SIGTERM or until it dies.
+                     timeout_s: float = 300, openai: Optional[OpenAIConfig] = None) -> int:
+    """Start the server (and, with ``openai``, kiln's OpenAI-compatible server in front of it: its
+    ``triton_url`` is filled in), announce the endpoints, serve until SIGINT/SIGTERM or until it dies.
 
     Returns 0 after a clean stop; raises ServerError (with the log's tail) when it fails to start or dies.
     """
@@ -43,9 +46,15 @@ def serve_foreground(cfg: ServerConfig, announce: Callable[[dict], None], state_
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     server = TritonServer(cfg)
+    front: Optional[OpenAIServer] = None
     try:
         server.start(timeout_s=timeout_s)
-        state = {"pid": os.getpid(), "repo": str(Path(cfg.repo).resolve()), "urls": server.urls(),
+        urls = server.urls()
+        if openai is not None:
+            front = OpenAIServer(dataclasses.replace(openai, triton_url=urls["grpc"]))
+            front.start()
+            urls["openai"] = f"{front.cfg.url}/v1"
+        state = {"pid": os.getpid(), "repo": str(Path(cfg.repo).resolve()), "urls": urls,
                  "log": str(server.log_file), "startup_s": server.startup_s, "ready": True}
         if state_file is not None:
             _write_state(state_file, state)
@@ -57,6 +66,8 @@ def serve_foreground(cfg: ServerConfig, announce: Callable[[dict], None], state_
             time.sleep(0.3)
         return 0
     finally:
+        if front is not None:
+            front.stop()
         server.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)

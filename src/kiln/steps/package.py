@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from kiln.models.tiny import builtin_chat_template
 from kiln.recipe.loader import LoadedRecipe, load_recipe
 from kiln.recipe.schema import HF_PREFIX, Recipe
 from kiln.steps.base import StepContext, StepResult, StepSpec
@@ -97,7 +98,8 @@ def package(ctx: StepContext) -> PackageResult:
             quality=quality.figures() or None, image=engine.image, image_digest=engine.image_digest,
             kv_tokens=placement.kv_tokens if placement else None,
             gpu_device_ids=placement.target_devices if placement else None,
-            orchestrator=bool(placement and placement.orchestrator))
+            orchestrator=bool(placement and placement.orchestrator),
+            chat_template=builtin_chat_template(r.model.source))
         with ctx.status("writing the Triton repository"):
             info = write_repository(inputs, ctx.out_dir, max_seq_len, final=ctx.final_dir)
     findings = lint_repository(ctx.out_dir)
@@ -161,6 +163,8 @@ def _sources_hash(loaded: LoadedRecipe) -> dict[str, str]:
             hashes["draft_name"] = draft.name
         except (OSError, KilnError):
             hashes["draft_recipe"] = "unreadable"
+    template = builtin_chat_template(loaded.recipe.model.source) if loaded is not None else None
+    hashes["chat_template"] = hashlib.sha256((template or "").encode()).hexdigest()
     return hashes
 
 

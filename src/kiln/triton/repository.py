@@ -2,8 +2,9 @@
 
 Every `config.pbtxt` is built as a real `ModelConfig` protobuf message and serialised with protobuf's own text
 format, so it parses by construction and no `${placeholder}` can survive. Tensor names and types come from the
-upstream contract (:mod:`kiln.triton.upstream`); kiln's own Python models implement a documented subset of the
-pre/post-processing and BLS tensors, and the CPU reference runtime the subset listed in `REFERENCE_TRTLLM_*`.
+upstream contract (:mod:`kiln.triton.upstream`): every model declares upstream's whole tensor lists, and kiln's
+Python models (pre/post-processing, BLS, the CPU reference runtime) accept every upstream input, refusing what
+they cannot do with an error naming the feature.
 
 Layout (`triton_repo/<recipe>/`):
     preprocessing/   python, kiln's tokenizer model, tokenizer copied into 1/tokenizer
@@ -24,7 +25,7 @@ import shutil
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
@@ -35,24 +36,9 @@ from kiln.recipe.containers import container_for, strip_digest
 from kiln.triton.upstream import LOGITS_TRITON_TYPE, MODELS, TensorSpec
 from kiln.util.artifacts import link_tree
 
-# kiln's Python models implement these tensors (see src/kiln/triton/models/*/model.py).
-PRE_INPUTS = ("QUERY", "REQUEST_OUTPUT_LEN", "BAD_WORDS_DICT", "STOP_WORDS_DICT", "END_ID", "PAD_ID")
-PRE_OUTPUTS = ("INPUT_ID", "REQUEST_INPUT_LEN", "BAD_WORDS_IDS", "STOP_WORDS_IDS", "REQUEST_OUTPUT_LEN",
-               "OUT_END_ID", "OUT_PAD_ID")
-POST_INPUTS = ("TOKENS_BATCH", "SEQUENCE_LENGTH")
-POST_OUTPUTS = ("OUTPUT",)
-REFERENCE_TRTLLM_INPUTS = (
-    "input_ids", "input_lengths", "request_output_len", "num_return_sequences", "draft_input_ids", "end_id",
-    "pad_id", "stop_words_list", "bad_words_list", "beam_width", "temperature", "runtime_top_k", "runtime_top_p",
-    "len_penalty", "repetition_penalty", "min_tokens", "presence_penalty", "frequency_penalty", "seed",
-    "return_log_probs", "exclude_input_in_output", "streaming", "stop",
-)
-REFERENCE_TRTLLM_OUTPUTS = ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs")
-BLS_INPUTS = ("text_input", "max_tokens", "bad_words", "stop_words", "exclude_input_in_output", "end_id", "pad_id",
-              "top_k", "top_p", "temperature", "length_penalty", "repetition_penalty", "min_tokens",
-              "presence_penalty", "frequency_penalty", "seed", "return_log_probs", "num_return_sequences",
-              "beam_width", "stream", "num_draft_tokens")
-BLS_OUTPUTS = ("text_output", "cum_log_probs", "output_log_probs")
+# Every model declares upstream's whole tensor list (names, types, dims, optional flags): kiln's Python models
+# (preprocessing, postprocessing, tensorrt_llm_bls and the reference tensorrt_llm runtime) accept every upstream
+# input and answer what they cannot do with an error naming the feature (see each model.py).
 FILLED_TYPES = {"${logits_datatype}": "TYPE_FP32", "${prompt_embedding_table_data_type}": "TYPE_FP16",
                 "${encoder_input_features_data_type}": "TYPE_FP16"}
 #: The engine's logits dtype kiln builds with (trtllm-build --logits_dtype), and the Triton type of the logits
@@ -87,6 +73,8 @@ class RepoInputs:
     """GPUs this model uses (draft+target placement); None: the recipe's serving.gpu_device_ids."""
     orchestrator: bool = False
     """Served in TensorRT-LLM's orchestrator mode (draft+target with tp × pp > 1)."""
+    chat_template: Optional[str] = None
+    """A chat template for a tokenizer that has none (kiln's for its built-in model); written as chat_template.jinja"""
 
 
 def standin_engine_config(recipe: Recipe, max_seq_len: int, quantization: Optional[dict] = None,
@@ -147,17 +135,6 @@ def set_parameters(config, values: dict[str, Any]) -> None:
         config.parameters[key].string_value = str(value)
 
 
-def _select(specs: Iterable[TensorSpec], names: Optional[tuple[str, ...]]) -> list[TensorSpec]:
-    specs = list(specs)
-    if names is None:
-        return specs
-    by_name = {s.name: s for s in specs}
-    missing = [n for n in names if n not in by_name]
-    if missing:
-        raise ValueError(f"kiln's tensor list names {missing}, which upstream's contract does not have")
-    return [by_name[n] for n in names]
-
-
 def base_config(name: str, max_batch_size: int, inputs: list[TensorSpec], outputs: list[TensorSpec], *,
                 backend: Optional[str] = None, platform: Optional[str] = None):
     """A ModelConfig with its name, backend or platform, max_batch_size and tensors."""
@@ -190,8 +167,7 @@ def render(config) -> str:
 
 def preprocessing_config(r: Recipe, max_seq_len: int):
     up = MODELS["preprocessing"]
-    c = base_config("preprocessing", r.engine.max_batch_size, _select(up.inputs, PRE_INPUTS), _select(up.outputs, PRE_OUTPUTS),
-              backend="python")
+    c = base_config("preprocessing", r.engine.max_batch_size, list(up.inputs), list(up.outputs), backend="python")
     cpu_instances(c, r.serving.preprocessing_instances)
     set_parameters(c, {"tokenizer_dir": "1/tokenizer", "add_special_tokens": r.serving.add_special_tokens,
                 "max_input_len": r.engine.max_input_len, "max_seq_len": max_seq_len})
@@ -200,8 +176,7 @@ def preprocessing_config(r: Recipe, max_seq_len: int):
 
 def postprocessing_config(r: Recipe):
     up = MODELS["postprocessing"]
-    c = base_config("postprocessing", r.engine.max_batch_size, _select(up.inputs, POST_INPUTS),
-              _select(up.outputs, POST_OUTPUTS), backend="python")
+    c = base_config("postprocessing", r.engine.max_batch_size, list(up.inputs), list(up.outputs), backend="python")
     cpu_instances(c, r.serving.postprocessing_instances)
     set_parameters(c, {"tokenizer_dir": "1/tokenizer", "skip_special_tokens": r.serving.skip_special_tokens})
     return c
@@ -230,9 +205,8 @@ def trtllm_config(r: Recipe, name: str, max_seq_len: int, engine_cfg: dict, kv_t
     up = MODELS["tensorrt_llm"]
     s = r.serving
     reference = r.target == "reference"
-    ins = _select(up.inputs, REFERENCE_TRTLLM_INPUTS if reference else None)
-    outs = _select(up.outputs, REFERENCE_TRTLLM_OUTPUTS if reference else None)
-    c = base_config(name, r.engine.max_batch_size, ins, outs, backend="python" if reference else "tensorrtllm")
+    c = base_config(name, r.engine.max_batch_size, list(up.inputs), list(up.outputs),
+                    backend="python" if reference else "tensorrtllm")
     c.model_transaction_policy.decoupled = s.streaming
     c.dynamic_batching.max_queue_delay_microseconds = s.max_queue_delay_microseconds
     cpu_instances(c, 1)
@@ -283,8 +257,9 @@ def trtllm_config(r: Recipe, name: str, max_seq_len: int, engine_cfg: dict, kv_t
 def ensemble_config(r: Recipe, trt_inputs: set[str], trt_outputs: set[str]):
     """pre → tensorrt_llm → post, keeping upstream's wiring for every tensor the models on each side have."""
     up = MODELS["ensemble"]
-    have = {"preprocessing": (set(PRE_INPUTS), set(PRE_OUTPUTS)), "tensorrt_llm": (trt_inputs, trt_outputs),
-            "postprocessing": (set(POST_INPUTS), set(POST_OUTPUTS))}
+    have = {name: ({t.name for t in MODELS[name].inputs}, {t.name for t in MODELS[name].outputs})
+            for name in ("preprocessing", "postprocessing")}
+    have["tensorrt_llm"] = (trt_inputs, trt_outputs)
     ens_inputs = {t.name for t in up.inputs}
     available = set(ens_inputs)
     used_inputs: set[str] = set()
@@ -313,10 +288,10 @@ def ensemble_config(r: Recipe, trt_inputs: set[str], trt_outputs: set[str]):
 
 def bls_config(r: Recipe, draft_name: Optional[str]):
     up = MODELS["tensorrt_llm_bls"]
-    c = base_config("tensorrt_llm_bls", r.engine.max_batch_size, _select(up.inputs, BLS_INPUTS),
-              _select(up.outputs, BLS_OUTPUTS), backend="python")
+    c = base_config("tensorrt_llm_bls", r.engine.max_batch_size, list(up.inputs), list(up.outputs), backend="python")
     c.model_transaction_policy.decoupled = r.serving.streaming
     cpu_instances(c, r.serving.bls_instances)
+    # accumulate_tokens false: streamed responses carry deltas (the model's default and upstream's; see its docstring)
     set_parameters(c, {"accumulate_tokens": False, "tensorrt_llm_model_name": "tensorrt_llm",
                 "tensorrt_llm_draft_model_name": draft_name,
                 "num_draft_tokens": r.engine.speculative.max_draft_len or None})
@@ -326,15 +301,26 @@ def bls_config(r: Recipe, draft_name: Optional[str]):
 # ------------------------------------------------------------------------------------------------ writing
 
 
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "tokenizer.model", "config.json")
+                   "tokenizer.model", "config.json", CHAT_TEMPLATE_FILE)
 
 
-def _copy_tokenizer(src: Path, dst: Path) -> None:
+def has_chat_template(tokenizer_dir: Path) -> bool:
+    """Whether a tokenizer folder defines a chat template (chat_template.jinja, or tokenizer_config.json's key)."""
+    if (tokenizer_dir / CHAT_TEMPLATE_FILE).is_file():
+        return True
+    config = tokenizer_dir / "tokenizer_config.json"
+    return config.is_file() and bool(json.loads(config.read_text(encoding="utf-8")).get("chat_template"))
+
+
+def _copy_tokenizer(src: Path, dst: Path, chat_template: Optional[str] = None) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
+    if chat_template is not None and not has_chat_template(dst):
+        (dst / CHAT_TEMPLATE_FILE).write_text(chat_template, encoding="utf-8")
 
 
 #: Shipped beside every Python model's model.py (the backend puts the version directory on sys.path).
@@ -388,12 +374,12 @@ def write_repository(inp: RepoInputs, out: Path, max_seq_len: int, final: Option
     pre = out / "preprocessing"
     _write_config(pre, preprocessing_config(r, max_seq_len))
     install_python_model("preprocessing", pre)
-    _copy_tokenizer(inp.tokenizer_dir, pre / "1" / "tokenizer")
+    _copy_tokenizer(inp.tokenizer_dir, pre / "1" / "tokenizer", inp.chat_template)
 
     post = out / "postprocessing"
     _write_config(post, postprocessing_config(r))
     install_python_model("postprocessing", post)
-    _copy_tokenizer(inp.tokenizer_dir, post / "1" / "tokenizer")
+    _copy_tokenizer(inp.tokenizer_dir, post / "1" / "tokenizer", inp.chat_template)
 
     def write_llm(name: str, source: RepoInputs) -> Any:
         cfg = json.loads((source.engine_dir / "config.json").read_text())

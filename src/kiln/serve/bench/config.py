@@ -98,10 +98,15 @@ class BenchConfig:
             types follow the ensemble's contract (``top_k`` INT32, ``temperature`` FP32, ``seed`` UINT64, …).
         seed: Seed for synthetic prompts and Poisson arrivals.
         input_tensor, max_tokens_tensor, stream_tensor, output_tensor: The contract's tensor names.
+        api: ``"triton"`` (gRPC streaming to a Triton model) or ``"openai"``: any OpenAI-compatible server (kiln's,
+            vLLM, trtllm-serve, ...) through ``POST {url}/completions``; ``url`` is then its base URL
+            (``http://host:port/v1``), ``model`` the model id (empty: the first of ``GET {url}/models``) and
+            ``sampling`` OpenAI fields (default ``{"temperature": 0}``: greedy, as the Triton requests are).
     """
 
     url: str
     model: str = "ensemble"
+    api: Literal["triton", "openai"] = "triton"
     concurrency: tuple[int, ...] = (1,)
     rate: float | None = None
     poisson: bool = False
@@ -126,9 +131,13 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         problems: list[str] = []
-        if not self.url or ":" not in self.url or "://" in self.url:
+        if self.api == "openai":
+            if not self.url.startswith(("http://", "https://")):
+                problems.append(f"an OpenAI-compatible server's url is its base URL, e.g. http://127.0.0.1:9000/v1, "
+                                f"got {self.url!r}")
+        elif not self.url or ":" not in self.url or "://" in self.url:
             problems.append(f"url must be the gRPC address as host:port (e.g. 127.0.0.1:8001), got {self.url!r}")
-        if not self.model:
+        elif not self.model:
             problems.append("model must name the model to call (ensemble or tensorrt_llm_bls)")
         if self.rate is None:
             if not self.concurrency:
@@ -158,10 +167,12 @@ class BenchConfig:
         if not (self.request_timeout_s > 0):
             problems.append(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         reserved = {self.input_tensor, self.max_tokens_tensor, self.stream_tensor, COUNT_REQUEST_TENSOR}
+        if self.api == "openai":
+            reserved = {"model", "prompt", "max_tokens", "stream", "stream_options"}
         clash = sorted(set(self.sampling) & reserved)
         if clash:
             problems.append(f"sampling must not set the bench's own inputs {clash}")
-        for name, value in self.sampling.items():
+        for name, value in self.sampling.items() if self.api == "triton" else ():
             try:
                 sampling_array(name, value)
             except (TypeError, ValueError) as exc:

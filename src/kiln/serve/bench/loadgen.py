@@ -16,6 +16,7 @@ from typing import Any
 from kiln.serve.bench.config import COUNT_REQUEST_TENSOR, COUNT_TENSOR, BenchConfig, BenchError, Level, sampling_array
 from kiln.serve.bench.report import BenchReport
 from kiln.serve.bench.stats import LevelResult, Outcome, Recorder
+from kiln.serve.wire import EMPTY_FINAL_PARAM, FINAL_PARAM, GRPC_OPTIONS, add_input, join_bytes_tensor
 
 #: Liveness probe: per-probe timeout, watchdog period, and how long probes may fail before the bench gives up.
 PROBE_TIMEOUT_S = 2.0
@@ -23,11 +24,6 @@ WATCHDOG_PERIOD_S = 1.0
 DEAD_AFTER_S = 4.0
 #: Pause before a client opens a new stream after its stream broke (the server was live).
 STREAM_RETRY_S = 0.05
-#: gRPC message size limit (tritonclient's).
-MAX_GRPC_MESSAGE_SIZE = 2**31 - 1
-#: Request parameter asking Triton to send an empty response for a flags-only final response.
-EMPTY_FINAL_PARAM = "triton_enable_empty_final_response"
-FINAL_PARAM = "triton_final_response"
 
 
 class _ServerGone(Exception):
@@ -58,10 +54,8 @@ class _RequestFactory:
     def __init__(self, cfg: BenchConfig, contract: _Contract) -> None:
         import numpy as np
         from tritonclient.grpc import service_pb2
-        from tritonclient.utils import serialize_byte_tensor
 
         self._pb = service_pb2
-        self._serialize = serialize_byte_tensor
         self._np = np
         self.cfg = cfg
         self.contract = contract
@@ -82,17 +76,7 @@ class _RequestFactory:
         self._base = base
 
     def _add(self, req: Any, name: str, arr: Any, dtype: str) -> None:
-        if self.contract.batched:
-            arr = arr.reshape((1,) + arr.shape)
-        tensor = req.inputs.add()
-        tensor.name = name
-        tensor.datatype = dtype
-        tensor.shape.extend(arr.shape)
-        if dtype == "BYTES":
-            raw = self._serialize(arr)  # a 0-d object array holding the serialized bytes
-            req.raw_input_contents.append(raw.item() if raw.size > 0 else b"")
-        else:
-            req.raw_input_contents.append(arr.tobytes())
+        add_input(req, name, arr, dtype, self.contract.batched)
 
     def build(self, prompt: str, request_id: str) -> Any:
         template = self._templates.get(prompt)
@@ -106,17 +90,6 @@ class _RequestFactory:
         req.CopyFrom(template)
         req.id = request_id
         return req
-
-
-def join_bytes_tensor(raw: bytes) -> bytes:
-    """The elements of a serialized BYTES tensor (each a 4-byte little-endian length, then the bytes), joined."""
-    parts = []
-    i, n = 0, len(raw)
-    while i + 4 <= n:
-        size = int.from_bytes(raw[i : i + 4], "little")
-        parts.append(raw[i + 4 : i + 4 + size])
-        i += 4 + size
-    return b"".join(parts)
 
 
 def _parse_response(resp: Any, output_name: str, want_counts: bool) -> tuple[bytes | None, int | None, bool]:
@@ -316,10 +289,7 @@ class _Session:
 
         self.channel = grpc.aio.insecure_channel(
             self.cfg.url,
-            options=[
-                ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
-                ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
-            ],
+            options=GRPC_OPTIONS,
         )
         self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
         self.health = _Health(self.stub)
@@ -383,6 +353,22 @@ class _Session:
             return "model"
         return "responses" if self.cfg.streaming else "unknown"
 
+    def client(self, name: str) -> _VirtualClient:
+        return _VirtualClient(self, name)
+
+    def describe(self) -> dict[str, Any]:
+        """What the report says about the model (after open)."""
+        return {"name": self.cfg.model, **self.contract.to_dict(), "token_basis": self.token_basis()}
+
+
+def make_session(cfg: BenchConfig) -> Any:
+    """The session for ``cfg.api``: Triton gRPC streaming, or an OpenAI-compatible HTTP server."""
+    if cfg.api == "openai":
+        from kiln.serve.bench.openai_api import OpenAISession
+
+        return OpenAISession(cfg)
+    return _Session(cfg)
+
 
 async def _closed_loop(session: _Session, level: Level, rec: Recorder, deadline: float) -> None:
     """``level.value`` clients, each sending its next request as soon as the previous one ends."""
@@ -391,7 +377,7 @@ async def _closed_loop(session: _Session, level: Level, rec: Recorder, deadline:
     prompts = session.prompts
 
     async def client(n: int) -> None:
-        vc = _VirtualClient(session, f"{level.label}-{n}")
+        vc = session.client(f"{level.label}-{n}")
         try:
             while time.perf_counter() < deadline:
                 idx = next(counter, None)
@@ -444,7 +430,7 @@ async def _open_loop(session: _Session, level: Level, rec: Recorder, deadline: f
                 await asyncio.sleep(delay)
             if pool.empty() and made < cfg.max_outstanding:
                 made += 1
-                pool.put_nowait(_VirtualClient(session, f"{level.label}-{made}"))
+                pool.put_nowait(session.client(f"{level.label}-{made}"))
             vc = await pool.get()
             rec.send_lag.append(max(0.0, time.perf_counter() - next_at) * 1e3)
             rec.sent += 1
@@ -515,7 +501,7 @@ async def run_level(cfg: BenchConfig, level: Level | int | float) -> LevelResult
     """
     if not isinstance(level, Level):
         level = Level("rate", float(level)) if cfg.rate is not None else Level("concurrency", float(int(level)))
-    session = _Session(cfg)
+    session = make_session(cfg)
     try:
         await session.open()
         return await _run_level(session, level)
@@ -527,18 +513,17 @@ async def run_bench_async(cfg: BenchConfig) -> BenchReport:
     """All of ``cfg``'s levels, in order, on one connection (see :func:`run_bench`)."""
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     t0 = time.perf_counter()
-    session = _Session(cfg)
+    session = make_session(cfg)
     results: list[LevelResult] = []
+    opened = False
 
     def report() -> BenchReport:
-        model = {"name": cfg.model, "token_basis": None}
-        if getattr(session, "contract", None) is not None and hasattr(session, "factory"):
-            model.update(session.contract.to_dict())
-            model["token_basis"] = session.token_basis()
+        model = session.describe() if opened else {"name": cfg.model, "token_basis": None}
         return BenchReport(cfg.to_dict(), model, list(results), started, time.perf_counter() - t0)
 
     try:
         await session.open()
+        opened = True
         for level in cfg.levels():
             results.append(await _run_level(session, level))
     except BenchError as exc:

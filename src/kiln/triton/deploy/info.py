@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kiln.triton.deploy.openai_sidecar import OpenAISidecar, default_image
 from kiln.util.errors import InputError
 
 if TYPE_CHECKING:  # only for the annotation of DeployInfo.from_recipe
@@ -76,6 +77,8 @@ class DeployInfo:
     on this many GPUs of one node (0: leader mode)."""
     multinode_image: str | None = None
     """The image of multi-node (LeaderWorkerSet) pods: the serving image plus sshd (Dockerfile.multinode)."""
+    openai: OpenAISidecar | None = None
+    """kiln's OpenAI-compatible server beside Triton (:mod:`kiln.triton.deploy.openai_sidecar`); None: none."""
 
     def __post_init__(self) -> None:
         if not self.recipe_name.strip():
@@ -93,10 +96,11 @@ class DeployInfo:
         for key, port in ports.items():
             if not 1 <= port <= 65_535:
                 raise InputError(f"deploy: {key} is {port}; use a port between 1 and 65535")
+        if self.openai is not None:
+            ports["serving.openai_port"] = self.openai.port
         if len(set(ports.values())) != len(ports):
             raise InputError(
-                "deploy: serving.http_port, serving.grpc_port and serving.metrics_port must differ "
-                f"(got {self.http_port}, {self.grpc_port}, {self.metrics_port})"
+                f"deploy: {', '.join(ports)} must differ (got {', '.join(str(p) for p in ports.values())})"
             )
         if SSH_PORT in ports.values() and self.multi_node:
             raise InputError(
@@ -157,6 +161,8 @@ class DeployInfo:
         decoding); ranks above 0 then load it too.
         """
         names = ("tensorrt_llm",) + ((draft_model_name,) if draft_model_name else ())
+        s = recipe.serving
+        openai = OpenAISidecar(s.openai_image or default_image(), s.openai_port, s.openai_model) if s.openai_sidecar else None
         return cls(
             recipe_name=recipe.name,
             image=image,
@@ -170,6 +176,7 @@ class DeployInfo:
             tensorrt_llm_model_names=names,
             orchestrator_gpus=(orchestrator_gpus or recipe.parallelism.tp * recipe.parallelism.pp) if orchestrator else 0,
             multinode_image=recipe.serving.multinode_image or multinode_image_name(image),
+            openai=openai,
         )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from kiln.triton.deploy import openai_sidecar
 from kiln.triton.deploy.info import (
     CONTAINER_REPO,
     LWS_API_VERSION,
@@ -228,7 +229,10 @@ def compose_spec(info: DeployInfo, repo_source: str) -> dict[str, Any]:
                 "reservations": {"devices": [{"driver": "nvidia", "count": info.world_size, "capabilities": ["gpu"]}]}
             }
         }
-    return {"name": k8s_name(info.recipe_name), "services": {"triton": service}}
+    services = {"triton": service}
+    if info.openai is not None:
+        services["openai"] = openai_sidecar.compose_service(info, repo_source)
+    return {"name": k8s_name(info.recipe_name), "services": services}
 
 
 def _compose_header(info: DeployInfo) -> str:
@@ -370,13 +374,15 @@ def pod_security_context() -> dict[str, Any]:
     }
 
 
-def _pod_spec(info: DeployInfo, container: dict[str, Any], volumes: list[dict[str, Any]]) -> dict[str, Any]:
+def _pod_spec(info: DeployInfo, container: dict[str, Any], volumes: list[dict[str, Any]],
+              sidecar: bool = False) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 60,
         "securityContext": pod_security_context(),
-        "containers": [container],
+        "containers": [container] + ([openai_sidecar.k8s_container(info, container_security_context())]
+                                     if sidecar and info.openai is not None else []),
         "volumes": volumes,
     }
     if info.gpu:
@@ -418,7 +424,7 @@ def _service(info: DeployInfo, component: str) -> dict[str, Any]:
                 {"name": "http", "port": info.http_port, "targetPort": "http", "protocol": "TCP"},
                 {"name": "grpc", "port": info.grpc_port, "targetPort": "grpc", "protocol": "TCP"},
                 {"name": "metrics", "port": info.metrics_port, "targetPort": "metrics", "protocol": "TCP"},
-            ],
+            ] + ([openai_sidecar.service_port(info)] if info.openai is not None else []),
         },
     }
 
@@ -436,7 +442,7 @@ def _deployment(info: DeployInfo) -> dict[str, Any]:
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
             "template": {
                 "metadata": {"labels": _labels(info, "server"), "annotations": _prometheus(info)},
-                "spec": _pod_spec(info, container, _base_volumes(info)),
+                "spec": _pod_spec(info, container, _base_volumes(info), sidecar=True),
             },
         },
     }
@@ -572,7 +578,7 @@ def _leaderworkerset(info: DeployInfo) -> list[dict[str, Any]]:
                 "restartPolicy": "RecreateGroupOnPodRestart",
                 "leaderTemplate": {
                     "metadata": {"labels": _labels(info, "leader"), "annotations": _prometheus(info)},
-                    "spec": _pod_spec(info, leader, volumes),
+                    "spec": _pod_spec(info, leader, volumes, sidecar=True),
                 },
                 "workerTemplate": {
                     "metadata": {"labels": _labels(info, "worker")},
@@ -722,6 +728,7 @@ def render_readme(info: DeployInfo, repo_source: str) -> str:
         "through the `prometheus.io/*` annotations.",
         "",
     ]
+    lines += openai_sidecar.readme_section(info)
     return "\n".join(lines)
 
 
@@ -785,12 +792,15 @@ def write_deploy_files(info: DeployInfo, out_dir: Path, *, model_repo: Path | st
         path.write_text(_dump_yaml(docs, _k8s_header(info)), encoding="utf-8")
         written.append(path)
 
-    dockerfile = out_dir / "Dockerfile.multinode"
-    if info.multi_node:
-        dockerfile.write_text(render_multinode_dockerfile(info), encoding="utf-8")
-        written.append(dockerfile)
-    else:
-        dockerfile.unlink(missing_ok=True)
+    for name, text in (("Dockerfile.multinode", render_multinode_dockerfile(info) if info.multi_node else None),
+                       ("Dockerfile.openai", openai_sidecar.render_dockerfile(info) if info.openai is not None
+                        else None)):
+        dockerfile = out_dir / name
+        if text is not None:
+            dockerfile.write_text(text, encoding="utf-8")
+            written.append(dockerfile)
+        else:
+            dockerfile.unlink(missing_ok=True)
 
     readme = out_dir / "README.md"
     readme.write_text(render_readme(info, repo_source), encoding="utf-8")

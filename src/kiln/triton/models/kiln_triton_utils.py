@@ -108,6 +108,42 @@ def input_array(request, name):
     return None if tensor is None else tensor.as_numpy()
 
 
+def requested(array, rule):
+    """True when an optional input's value asks for a feature (``array`` is its numpy value, None when absent).
+
+    ``rule``: ``"present"`` (sent at all), ``"true"`` (any element true), ``"nonempty"`` (any element, strings
+    counted only when not empty), ``"nonzero"`` (any element not 0), or ``("not", value)`` (any element differs
+    from the neutral ``value``). Duck-typed on numpy arrays so that this module needs only the standard library.
+    """
+    if array is None:
+        return False
+    if rule == "present":
+        return True
+    flat = array.reshape(-1)
+    if flat.size == 0:
+        return False
+    if rule == "true":
+        return bool(flat.any())
+    if rule == "nonempty":
+        return any(not (isinstance(v, (bytes, str)) and len(v) == 0) for v in flat)
+    if rule == "nonzero":
+        return bool((flat != 0).any())
+    if isinstance(rule, tuple) and rule[0] == "not":
+        return bool((flat != rule[1]).any())
+    raise ValueError(f"unknown rule {rule!r}")
+
+
+def refuse_unsupported(request, table):
+    """Raise RequestError for the first input of ``table`` the request uses (see :func:`requested`).
+
+    ``table`` maps an input name to ``(rule, message)``; the message names the feature and who cannot do it,
+    e.g. ``"generation logits are not produced by the reference target"``. The input's name is appended.
+    """
+    for name, (rule, message) in table.items():
+        if requested(input_array(request, name), rule):
+            raise RequestError(f"{message} (input {name!r})")
+
+
 def last_error_line():
     """The last line of the exception being handled (``ValueError: ...``): the part worth sending to a client."""
     return traceback.format_exc(limit=1).strip().splitlines()[-1]

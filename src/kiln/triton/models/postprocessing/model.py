@@ -5,19 +5,21 @@ kiln copies this file into generated repositories as ``postprocessing/1/model.py
 
 Inputs: ``TOKENS_BATCH`` INT32[-1,-1] (so ``[batch, beams, tokens]``), optional ``SEQUENCE_LENGTH``
 INT32[-1] (``[batch, beams]``: how many of each row's tokens are real; the rest is padding). Output:
-``OUTPUT`` BYTES[-1] (``[batch, beams]``, UTF-8 text).
+``OUTPUT`` BYTES[-1], shaped as upstream's model returns it at runtime: one flat array of ``batch × beams``
+UTF-8 strings (batch item 0's beams first), so clients read ``text_output[0]`` as bytes.
 
 Parameters: ``tokenizer_dir`` (required; holds ``tokenizer.json``), ``skip_special_tokens`` (default true).
 
 Streaming. Each response of a streaming request reaches this model as its own request carrying only that
-response's new tokens, with nothing tying it to the ones before: this model is stateless, as upstream's is.
-Text stays correct because the chunks are cut where the text is whole: kiln's reference ``tensorrt_llm``
-model never ends a streamed chunk inside a UTF-8 character (byte-level BPE can spread one character over
-several tokens), so decoding each chunk on its own and concatenating the pieces gives the same text as
-decoding the whole sequence, for byte-level tokenizers. Tokenizers whose decoder strips a leading space
-(SentencePiece "▁") lose that space at chunk starts in this stateless path, exactly as upstream; the
-``tensorrt_llm_bls`` model with ``accumulate_tokens`` decodes the whole sequence each time and sends the
-difference, which is correct for every tokenizer. ``decode_delta`` below is that computation.
+response's new tokens, with nothing tying it to the ones before: this model is stateless, as upstream's is,
+and the ensemble streams what it returns: per-response deltas. Text stays correct because the chunks are cut
+where the text is whole: kiln's reference ``tensorrt_llm`` model never ends a streamed chunk inside a UTF-8
+character (byte-level BPE can spread one character over several tokens), so decoding each chunk on its own
+and concatenating the pieces gives the same text as decoding the whole sequence, for byte-level tokenizers.
+TensorRT-LLM's backend cuts chunks per token, so through the ensemble a character split across tokens comes
+out as U+FFFD pieces, and tokenizers whose decoder strips a leading space (SentencePiece "▁") lose that space
+at chunk starts, exactly as upstream. The ``tensorrt_llm_bls`` model decodes the whole sequence each time
+(``decode_delta`` below is that computation), which is correct for every tokenizer and target.
 """
 
 from kiln_triton_utils import use_utf8_locale
@@ -110,7 +112,7 @@ class TritonPythonModel:
                     None if lengths is None else lengths.as_numpy(),
                     self.skip_special_tokens,
                 )
-                data = np.array([[t.encode("utf-8") for t in row] for row in texts], dtype=self.output_dtype)
+                data = np.array([t.encode("utf-8") for row in texts for t in row], dtype=self.output_dtype)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", data)]))
             except RequestError as err:
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(err))))

@@ -3,13 +3,22 @@
 kiln copies this file into generated repositories as ``preprocessing/1/model.py``, with
 ``kiln_triton_utils.py`` beside it (the only other module it imports from kiln's source; it must not import kiln).
 
-Inputs (``max_batch_size`` > 0, so each is ``[batch, ...]``): ``QUERY`` BYTES[1], ``REQUEST_OUTPUT_LEN``
-INT32[1]; optional ``BAD_WORDS_DICT``/``STOP_WORDS_DICT`` BYTES[-1], ``END_ID``/``PAD_ID`` INT32[1].
-Outputs (only those declared in config.pbtxt are sent): ``INPUT_ID`` INT32[-1] (padded with the pad id),
-``REQUEST_INPUT_LEN`` INT32[1], ``BAD_WORDS_IDS``/``STOP_WORDS_IDS`` INT32[2,-1] (row 0: the words' ids
-concatenated, row 1: their end offsets, padded with 0 / -1), ``OUT_END_ID``/``OUT_PAD_ID`` INT32[1],
-``REQUEST_OUTPUT_LEN`` INT32[-1], and, if declared, ``EMBEDDING_BIAS`` FP32[-1] (empty),
-``DECODER_INPUT_ID`` INT32[-1] / ``REQUEST_DECODER_INPUT_LEN`` INT32[1] (decoder-only: one pad token).
+Inputs (``max_batch_size`` > 0, so each is ``[batch, ...]``): every input of upstream's preprocessing config.
+``QUERY`` BYTES[1] and ``REQUEST_OUTPUT_LEN`` INT32[1] are required; optional ``DECODER_QUERY`` BYTES[1],
+``BAD_WORDS_DICT``/``STOP_WORDS_DICT`` BYTES[-1], ``EMBEDDING_BIAS_WORDS`` BYTES[-1] with
+``EMBEDDING_BIAS_WEIGHTS`` FP32[-1], ``END_ID``/``PAD_ID`` INT32[1], ``PROMPT_TABLE_EXTRA_ID`` UINT64[1]. The
+image and video inputs (``IMAGE_BYTES``, ``IMAGE_URL``, ``IMAGE_SIZES``, ``VIDEO_BYTES``) are accepted by the
+config and refused with an error naming them: kiln serves text-only models.
+
+Outputs, as upstream's model returns them (only those declared in config.pbtxt are sent): ``INPUT_ID``
+INT32[-1] (padded with the pad id), ``REQUEST_INPUT_LEN`` INT32[1], ``DECODER_INPUT_ID`` INT32[-1] /
+``REQUEST_DECODER_INPUT_LEN`` INT32[1] (``DECODER_QUERY`` tokenized; without it one pad token and length 1,
+which is what upstream sends for decoder-only models and what ``tensorrt_llm`` ignores for them),
+``BAD_WORDS_IDS``/``STOP_WORDS_IDS`` INT32[2,-1] (row 0: the words' ids concatenated, row 1: their end offsets,
+padded with 0 / -1), ``EMBEDDING_BIAS`` FP32[-1] (the weights summed per token id over the vocabulary; empty
+``[batch, 0]`` without bias words), ``REQUEST_OUTPUT_LEN`` INT32[-1], ``OUT_END_ID``/``OUT_PAD_ID`` INT32[1],
+and ``OUT_PROMPT_TABLE_EXTRA_IDS`` UINT64[-1] only when ``PROMPT_TABLE_EXTRA_ID`` is sent (the extra id at
+prompt-table positions, ids >= the vocabulary size, else 0). The vision outputs are never produced.
 
 Parameters (config.pbtxt ``parameters``, all strings): ``tokenizer_dir`` (required; holds
 ``tokenizer.json``), ``add_special_tokens`` (default true), ``max_input_len`` (prompt tokens, optional),
@@ -37,12 +46,19 @@ from kiln_triton_utils import (  # noqa: E402
     get_param,
     input_array,
     last_error_line,
+    refuse_unsupported,
     resolve_path,
 )
 from tokenizers import Tokenizer  # noqa: E402
 
 #: Without max_seq_len / max_output_len, a max_tokens above this is refused as a client error.
 ABSURD_OUTPUT_LEN = 1 << 20
+#: Upstream inputs kiln's preprocessing accepts in its config but cannot act on: (rule, message).
+UNSUPPORTED = {
+    name: ("nonempty", f"{what} is not supported: kiln serves text-only models (no multimodal preprocessing)")
+    for name, what in (("IMAGE_BYTES", "image input"), ("IMAGE_URL", "image input"), ("IMAGE_SIZES", "image input"),
+                       ("VIDEO_BYTES", "video input"))
+}
 
 
 def _read_json(path):
@@ -177,27 +193,58 @@ class TritonPythonModel:
         return responses
 
     # ------------------------------------------------------------------ request handling
-    def _texts(self, request):
-        query = pb_utils.get_input_tensor_by_name(request, "QUERY")
-        if query is None:
-            raise RequestError("text_input (QUERY) is missing")
-        rows = query.as_numpy()
+    @staticmethod
+    def _texts(rows, what):
         texts = []
         for item in rows.reshape(rows.shape[0], -1):
             if item.size == 0:
-                raise RequestError("text_input is empty")
+                raise RequestError(f"{what} is empty")
             raw = item[0]
             try:
                 text = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
             except UnicodeDecodeError:
-                raise RequestError("text_input is not valid UTF-8") from None
+                raise RequestError(f"{what} is not valid UTF-8") from None
             if text == "":
-                raise RequestError("text_input is empty: send the prompt text")
+                raise RequestError(f"{what} is empty: send the prompt text")
             texts.append(text)
         return texts
 
+    def _padded(self, ids, pad_ids):
+        width = max(len(p) for p in ids)
+        out = np.empty((len(ids), width), dtype=np.int32)
+        for i, seq in enumerate(ids):
+            out[i, :] = pad_ids[i]
+            out[i, : len(seq)] = seq
+        return out
+
+    def _embedding_bias(self, request, batch):
+        """[batch, vocab] FP32: each bias word's weight added at each of its token ids (upstream's layout)."""
+        words, weights = input_array(request, "EMBEDDING_BIAS_WORDS"), input_array(request, "EMBEDDING_BIAS_WEIGHTS")
+        if words is None and weights is None:
+            return np.zeros((batch, 0), dtype=np.float32)
+        if words is None or weights is None:
+            raise RequestError("embedding_bias_words and embedding_bias_weights must be sent together")
+        words, weights = words.reshape(words.shape[0], -1), weights.reshape(weights.shape[0], -1)
+        if words.shape != weights.shape:
+            raise RequestError(
+                f"embedding_bias_words {words.shape} and embedding_bias_weights {weights.shape} must have the same shape"
+            )
+        if words.shape[0] == 1 and batch > 1:
+            words, weights = np.repeat(words, batch, axis=0), np.repeat(weights, batch, axis=0)
+        bias = np.zeros((batch, self.tokenizer.get_vocab_size()), dtype=np.float32)
+        for b in range(batch):
+            for word, weight in zip(words[b], weights[b]):
+                text = word.decode("utf-8") if isinstance(word, bytes) else str(word)
+                for token in self.tokenizer.encode(text, add_special_tokens=False).ids if text else []:
+                    bias[b, token] += float(weight)
+        return bias
+
     def _outputs(self, request):
-        texts = self._texts(request)
+        refuse_unsupported(request, UNSUPPORTED)
+        query = input_array(request, "QUERY")
+        if query is None:
+            raise RequestError("text_input (QUERY) is missing")
+        texts = self._texts(query, "text_input")
         batch = len(texts)
         out_len_in = input_array(request, "REQUEST_OUTPUT_LEN")
         if out_len_in is None:
@@ -211,23 +258,35 @@ class TritonPythonModel:
         end_ids = _per_item(end_in, batch, "end_id") if end_in is not None else [self.end_id] * batch
         pad_ids = _per_item(pad_in, batch, "pad_id") if pad_in is not None else [self.pad_id] * batch
 
-        width = max(len(p) for p in ids)
-        input_ids = np.empty((batch, width), dtype=np.int32)
-        for i, prompt in enumerate(ids):
-            input_ids[i, :] = pad_ids[i]
-            input_ids[i, : len(prompt)] = prompt
+        input_ids = self._padded(ids, pad_ids)
+        decoder = input_array(request, "DECODER_QUERY")
+        if decoder is not None:
+            decoder_texts = self._texts(decoder, "decoder_text_input")
+            if len(decoder_texts) != batch:
+                raise RequestError(f"decoder_text_input has {len(decoder_texts)} items for {batch} prompts")
+            decoder_ids = [self.tokenizer.encode(t, add_special_tokens=self.add_special_tokens).ids
+                           for t in decoder_texts]
+        else:  # decoder-only models: one pad token, as upstream sends (tensorrt_llm ignores it for them)
+            decoder_ids = [[p] for p in pad_ids]
         values = {
             "INPUT_ID": input_ids,
             "REQUEST_INPUT_LEN": np.array([[len(p)] for p in ids], dtype=np.int32),
+            "DECODER_INPUT_ID": self._padded(decoder_ids, pad_ids),
+            "REQUEST_DECODER_INPUT_LEN": np.array([[len(d)] for d in decoder_ids], dtype=np.int32),
             "REQUEST_OUTPUT_LEN": np.array([[n] for n in out_lens], dtype=np.int32),
             "BAD_WORDS_IDS": word_list_ids(self.tokenizer, input_array(request, "BAD_WORDS_DICT"), batch),
             "STOP_WORDS_IDS": word_list_ids(self.tokenizer, input_array(request, "STOP_WORDS_DICT"), batch),
+            "EMBEDDING_BIAS": self._embedding_bias(request, batch),
             "OUT_END_ID": np.array([[e] for e in end_ids], dtype=np.int32),
             "OUT_PAD_ID": np.array([[p] for p in pad_ids], dtype=np.int32),
-            "EMBEDDING_BIAS": np.zeros((batch, 0), dtype=np.float32),
-            "DECODER_INPUT_ID": np.array([[p] for p in pad_ids], dtype=np.int32),
-            "REQUEST_DECODER_INPUT_LEN": np.ones((batch, 1), dtype=np.int32),
         }
+        extra = input_array(request, "PROMPT_TABLE_EXTRA_ID")
+        if extra is not None:  # only then, as upstream: the id at prompt-table positions (ids >= vocabulary)
+            extra = np.asarray(extra).reshape(-1)
+            if extra.size != batch:
+                raise RequestError(f"prompt_table_extra_id must hold one value per prompt ({batch}), got {extra.size}")
+            vocab = self.tokenizer.get_vocab_size()
+            values["OUT_PROMPT_TABLE_EXTRA_IDS"] = np.where(input_ids >= vocab, extra[:, None], 0).astype(np.uint64)
         return [
             pb_utils.Tensor(name, values[name].astype(dtype))
             for name, dtype in self.output_dtypes.items()

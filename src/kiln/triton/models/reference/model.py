@@ -19,9 +19,17 @@ request's own ``torch.Generator`` (seeded from ``seed``), after which only the d
 argmax. Greedy requests are untouched, so they equal ``model.generate(do_sample=False)`` exactly, and a
 seeded request gives the same tokens whatever else is in the batch. As in TensorRT-LLM, a request samples
 only when ``runtime_top_k`` > 1 or ``runtime_top_p`` > 0 (both unset or 0 means greedy) and temperature is
-not 0. The same processor applies ``bad_words_list``, ``min_tokens`` and computes log-probabilities.
-Not supported (refused with an error naming the input): beam_width > 1, num_return_sequences > 1,
-non-neutral repetition/presence/frequency penalties.
+not 0. The same processor adds ``embedding_bias``, applies ``bad_words_list`` and ``min_tokens`` and computes
+log-probabilities.
+
+Contract. The config declares every input and output of upstream's ``tensorrt_llm`` model. Inputs for what
+this runtime cannot do are refused with an error naming the feature, the target and the input (``UNSUPPORTED``
+below: context/generation logits, LoRA, prompt tuning, guided and lookahead decoding, encoder-decoder and
+multimodal inputs, ...), as are beam_width > 1, num_return_sequences > 1 and non-neutral
+repetition/presence/frequency penalties. ``decoder_input_ids``/``decoder_input_lengths`` are ignored, as
+TensorRT-LLM ignores them for decoder-only models. ``return_num_input_tokens``/``return_num_output_tokens``
+add ``num_input_tokens`` (prompt tokens) and ``num_output_tokens`` (tokens in this response: the new ones
+when streaming) to every response.
 
 Other behaviour. The end id is not part of the output (as in TensorRT-LLM); generation stops after a
 ``stop_words_list`` sequence, which is kept. ``exclude_input_in_output`` (request input, else the parameter,
@@ -63,7 +71,6 @@ _MODULE_IMPORT_START = time.monotonic()  # module-level imports (torch, transfor
 
 import json  # noqa: E402
 import math  # noqa: E402
-import secrets  # noqa: E402
 import threading  # noqa: E402
 import traceback  # noqa: E402
 import uuid  # noqa: E402
@@ -80,18 +87,56 @@ from kiln_triton_utils import (  # noqa: E402
     get_param,
     input_array,
     last_error_line,
+    refuse_unsupported,
+    requested,
     resolve_path,
 )
 from transformers.generation.continuous_batching.cb_logits_processors import (  # noqa: E402
     ContinuousBatchingLogitsProcessor,
     ContinuousBatchingLogitsProcessorList,
 )
+from reference_sampling import Sampling, bad_word_mask_ids, make_sampling, process_row  # noqa: E402, F401
 from transformers.generation.logits_process import LogitsProcessorList  # noqa: E402
 
 _MODULE_IMPORT_SECONDS = time.monotonic() - _MODULE_IMPORT_START
 
 #: Longest a streamed chunk is held back waiting for the rest of a UTF-8 character (a character is <= 4 bytes).
 MAX_HOLD_TOKENS = 4
+_TARGET = "by the reference target"
+#: Inputs of upstream's tensorrt_llm contract this runtime accepts but cannot act on: (rule, message). Inputs
+#: not listed here are either used (see _parse) or ignored as TensorRT-LLM ignores them for a decoder-only
+#: model (decoder_input_ids/_lengths) or at beam width 1 (len_penalty, early_stopping, beam_search_diversity_rate).
+UNSUPPORTED = {
+    "encoder_input_features": ("nonempty", f"encoder input features (encoder-decoder models) are not supported {_TARGET}"),
+    "encoder_output_lengths": ("present", f"encoder output lengths (encoder-decoder models) are not supported {_TARGET}"),
+    "draft_logits": ("nonempty", f"draft logits (logit-comparison speculative decoding) are not supported {_TARGET}"),
+    "draft_acceptance_threshold": ("present", f"draft acceptance thresholds (logit-comparison speculative "
+                                              f"decoding) are not supported {_TARGET}"),
+    "return_context_logits": ("true", f"context logits are not produced {_TARGET}"),
+    "return_generation_logits": ("true", f"generation logits are not produced {_TARGET}"),
+    "return_perf_metrics": ("true", f"per-request performance metrics are not produced {_TARGET}"),
+    "prompt_embedding_table": ("nonempty", f"prompt tuning (prompt embedding tables) is not supported {_TARGET}"),
+    "prompt_vocab_size": ("present", f"prompt tuning (prompt_vocab_size) is not supported {_TARGET}"),
+    "prompt_table_extra_ids": ("nonzero", f"prompt tuning (prompt table extra ids) is not supported {_TARGET}"),
+    "cross_attention_mask": ("nonempty", f"cross-attention masks (encoder-decoder models) are not supported {_TARGET}"),
+    "skip_cross_attn_blocks": ("true", f"skipping cross-attention blocks is not supported {_TARGET}"),
+    "mrope_rotary_cos_sin": ("nonempty", f"multimodal rotary embeddings (mrope) are not supported {_TARGET}"),
+    "mrope_position_deltas": ("present", f"multimodal rotary embeddings (mrope) are not supported {_TARGET}"),
+    "lora_task_id": ("present", f"LoRA adapters are not supported {_TARGET}"),
+    "lora_weights": ("nonempty", f"LoRA adapters are not supported {_TARGET}"),
+    "lora_config": ("nonempty", f"LoRA adapters are not supported {_TARGET}"),
+    "context_phase_params": ("nonempty", f"disaggregated serving (context phase parameters) is not supported {_TARGET}"),
+    "guided_decoding_guide_type": ("nonempty", f"guided decoding is not supported {_TARGET}"),
+    "guided_decoding_guide": ("nonempty", f"guided decoding is not supported {_TARGET}"),
+    "lookahead_window_size": ("present", f"lookahead decoding is not supported {_TARGET}"),
+    "lookahead_ngram_size": ("present", f"lookahead decoding is not supported {_TARGET}"),
+    "lookahead_verification_set_size": ("present", f"lookahead decoding is not supported {_TARGET}"),
+    "runtime_top_p_decay": (("not", 1.0), f"top-p decay (runtime_top_p_decay) is not supported {_TARGET}"),
+    "runtime_top_p_reset_ids": (("not", -1), f"top-p decay (runtime_top_p_reset_ids) is not supported {_TARGET}"),
+    **{name: ("present", f"KV-cache retention priorities are not supported {_TARGET}")
+       for name in ("retention_token_range_starts", "retention_token_range_ends", "retention_token_range_priorities",
+                    "retention_token_range_durations_ms", "retention_decode_priority", "retention_decode_duration_ms")},
+}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -165,93 +210,7 @@ def read_settings(model_config, args=None):
 
 
 # ---------------------------------------------------------------------------------------------- sampling
-@dataclass
-class Sampling:
-    """Per-request decoding settings, applied by ``KilnSampler`` inside the manager's step."""
-
-    greedy: bool = True
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 0.0
-    seed: int | None = None
-    min_tokens: int = 0
-    end_id: int = -1
-    prompt_len: int = 0
-    bad_words: list = field(default_factory=list)
-    want_logprobs: bool = False
-    logprobs: list = field(default_factory=list)
-    generator: torch.Generator | None = None
-    error: str | None = None  # set when processing this request's logits failed
-
-    def __post_init__(self):
-        if not self.greedy and self.generator is None:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
-
-    @property
-    def touches_logits(self):
-        """False when the row can be left to the manager's plain argmax."""
-        return not self.greedy or self.want_logprobs or bool(self.bad_words) or self.min_tokens > 0
-
-
-def make_sampling(temperature=None, top_k=None, top_p=None, seed=None, **kwargs):
-    """Validate sampling inputs and decide greedy vs sampled with TensorRT-LLM's rules."""
-    t = 1.0 if temperature is None else float(temperature)
-    k = 0 if top_k is None else int(top_k)
-    p = 0.0 if top_p is None else float(top_p)
-    if not math.isfinite(t) or t < 0:
-        raise RequestError(f"temperature must be >= 0, got {t}")
-    if k < 0:
-        raise RequestError(f"top_k must be >= 0, got {k}")
-    if not 0.0 <= p <= 1.0:
-        raise RequestError(f"top_p must be in [0, 1], got {p}")
-    greedy = t == 0.0 or k == 1 or (k == 0 and p == 0.0)
-    return Sampling(greedy=greedy, temperature=t, top_k=k, top_p=p, seed=seed, **kwargs)
-
-
-def bad_word_mask_ids(context, bad_words):
-    """Token ids to forbid next: the last token of each bad word whose other tokens end ``context``."""
-    banned = []
-    for word in bad_words:
-        head = word[:-1]
-        if not head or (len(context) >= len(head) and list(context[-len(head) :]) == head):
-            banned.append(word[-1])
-    return banned
-
-
-def process_row(scores, spec, context):
-    """Apply one request's settings to its logits row (in place) so that argmax picks its next token."""
-    s = scores
-    if spec.bad_words:
-        banned = bad_word_mask_ids(context, spec.bad_words)
-        if banned:
-            s[torch.tensor(banned, dtype=torch.long)] = -math.inf
-    generated = len(context) - spec.prompt_len
-    if spec.min_tokens > 0 and generated < spec.min_tokens and 0 <= spec.end_id < s.numel():
-        s[spec.end_id] = -math.inf
-    if spec.greedy:
-        if spec.want_logprobs:
-            spec.logprobs.append(float(torch.log_softmax(s, dim=-1)[int(torch.argmax(s))]))
-        return
-    s = s / spec.temperature
-    if 0 < spec.top_k < s.numel():
-        kth = torch.topk(s, spec.top_k).values[-1]
-        s = s.masked_fill(s < kth, -math.inf)
-    if 0.0 < spec.top_p < 1.0:
-        ordered, order = torch.sort(s, descending=True)
-        probs = torch.softmax(ordered, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above each one
-        drop = before >= spec.top_p
-        drop[0] = False
-        s = s.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), -math.inf)
-    logp = torch.log_softmax(s, dim=-1)
-    uniform = torch.rand(s.shape, generator=spec.generator, dtype=torch.float32).clamp_(1e-20, 1.0 - 1e-7)
-    choice = int(torch.argmax(logp - torch.log(-torch.log(uniform))))  # Gumbel-max: one draw from softmax(s)
-    if spec.want_logprobs:
-        spec.logprobs.append(float(logp[choice]))
-    scores.fill_(-math.inf)
-    scores[choice] = 0.0
-
+# Sampling, make_sampling, bad_word_mask_ids and process_row live in reference_sampling.py.
 
 class KilnSampler(ContinuousBatchingLogitsProcessor):
     """Per-request sampling inside transformers' continuous batching (see the module docstring).
@@ -376,6 +335,7 @@ class Job:
     exclude_input: bool
     want_logprobs: bool
     seqs: list
+    want_counts: tuple = (False, False)  # return_num_input_tokens, return_num_output_tokens
     triton_id: str = ""
     started: float = field(default_factory=time.monotonic)
     finished: bool = False
@@ -521,6 +481,7 @@ class TritonPythonModel:
 
     def _parse(self, request, sender):
         s = self.settings
+        refuse_unsupported(request, UNSUPPORTED)
         ids = input_array(request, "input_ids")
         if ids is None:
             raise RequestError("input_ids is missing")
@@ -543,11 +504,11 @@ class TritonPythonModel:
         for name in ("beam_width", "num_return_sequences"):
             for value in _scalars(request, name, batch, int):
                 if value not in (None, 1):
-                    raise RequestError(f"{name}={value} is not supported by the reference runtime (only 1)")
+                    raise RequestError(f"{name}={value} is not supported {_TARGET} (only 1)")
         for name, neutral in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
             for value in _scalars(request, name, batch, float):
                 if value is not None and value != neutral:
-                    raise RequestError(f"{name}={value} is not supported by the reference runtime")
+                    raise RequestError(f"{name}={value} is not supported {_TARGET} (only the neutral {neutral})")
         temps = _scalars(request, "temperature", batch, float)
         top_ks = _scalars(request, "runtime_top_k", batch, int)
         top_ps = _scalars(request, "runtime_top_p", batch, float)
@@ -555,6 +516,7 @@ class TritonPythonModel:
         min_tokens = _scalars(request, "min_tokens", batch, int, "min_length")
         stops = word_lists(input_array(request, "stop_words_list"), batch)
         bads = word_lists(input_array(request, "bad_words_list"), batch)
+        biases = self._biases(input_array(request, "embedding_bias"), batch)
         drafts = input_array(request, "draft_input_ids")
         if drafts is not None:
             drafts = np.asarray(drafts).reshape(batch, -1)
@@ -588,6 +550,7 @@ class TritonPythonModel:
                 prompt_len=len(prompt),
                 bad_words=bads[i],
                 want_logprobs=want_logprobs,
+                bias=biases[i],
             )
             seqs.append(
                 Sequence(
@@ -601,7 +564,24 @@ class TritonPythonModel:
                     draft=draft,
                 )
             )
-        return Job(request, sender, streaming, bool(exclude), want_logprobs, seqs, triton_id=_request_id(request))
+        counts = tuple(requested(input_array(request, n), "true")
+                       for n in ("return_num_input_tokens", "return_num_output_tokens"))
+        return Job(request, sender, streaming, bool(exclude), want_logprobs, seqs, triton_id=_request_id(request),
+                   want_counts=counts)
+
+    def _biases(self, array, batch):
+        """Per batch item, the embedding_bias [vocab] tensor, or None (absent or empty: no bias)."""
+        if array is None or np.asarray(array).size == 0:
+            return [None] * batch
+        array = np.asarray(array, dtype=np.float32)
+        array = array.reshape(array.shape[0] if array.ndim > 1 else 1, -1)
+        if array.shape[0] == 1 and batch > 1:
+            array = np.repeat(array, batch, axis=0)
+        if array.shape[0] != batch or array.shape[1] > self.vocab_size:
+            raise RequestError(
+                f"embedding_bias must be [batch, at most {self.vocab_size}] (the vocabulary), got {array.shape}"
+            )
+        return [torch.from_numpy(row.copy()) if row.any() else None for row in array]
 
     def _stop_request(self, request, sender):
         """Upstream's ``stop`` input: cancel the running request that has this request's id (BLS uses it)."""
@@ -761,6 +741,12 @@ class TritonPythonModel:
             pb_utils.Tensor("sequence_length", np.array([[len(r)] for r in rows], dtype=np.int32)),
         ]
         names = self.settings.output_names
+        if job.want_counts[0] and "num_input_tokens" in names:
+            prompt_lens = np.array([[len(seq.prompt)] for seq in job.seqs], dtype=np.int32)
+            tensors.append(pb_utils.Tensor("num_input_tokens", prompt_lens))
+        if job.want_counts[1] and "num_output_tokens" in names:  # tokens in this response (streaming: new ones)
+            sent = [counts[i] if counts is not None else len(seq.tokens) for i, seq in enumerate(job.seqs)]
+            tensors.append(pb_utils.Tensor("num_output_tokens", np.array([[n] for n in sent], dtype=np.int32)))
         if job.want_logprobs and "cum_log_probs" in names:
             cum = np.array([[float(sum(seq.sampling.logprobs[: len(seq.tokens)]))] for seq in job.seqs], np.float32)
             tensors.append(pb_utils.Tensor("cum_log_probs", cum))

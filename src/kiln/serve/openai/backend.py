@@ -1,0 +1,286 @@
+"""The Triton side of kiln's OpenAI server: one ``grpc.aio`` channel, one bidirectional stream per request.
+
+:class:`TritonBackend` learns the model's contract once (``ModelMetadata``/``ModelConfig``: which optional inputs
+and outputs it has, whether it is decoupled and batched) and turns a :class:`~.protocol.GenerationRequest` into
+an ensemble-contract request (``text_input``, ``max_tokens``, ``stream``, sampling, ``stop_words``, the
+token-count and log-prob flags). :meth:`TritonBackend.generate` yields one :class:`Chunk` per response.
+
+Streams are reused: a request takes an idle ``ModelStreamInfer`` stream from a pool (one request in flight per
+stream, so every response is the request's own) and gives it back after its final response. Opening a stream
+per request measured about 0.3 ms more CPU per request on the development machine.
+
+Closing the generator early (the HTTP client went away, a stop sequence matched) stops the generation: it
+cancels the gRPC call, which Triton passes to a Python model it calls directly (kiln's BLS then stops its
+language-model request), but not to the steps of an ensemble (Triton 2.51: the ensemble stops scheduling new
+steps, while the running ``tensorrt_llm`` request would generate to the end). So when the model is an ensemble
+whose steps include a model with upstream's ``stop`` input, the backend also sends that model a ``stop`` request
+with the same request id (the ensemble passes its id to its steps): upstream's own way of stopping a request,
+which TensorRT-LLM's backend and kiln's reference runtime both honour.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.serve.openai.protocol import APIError, GenerationRequest, bad
+from kiln.serve.wire import (
+    EMPTY_FINAL_PARAM,
+    GRPC_OPTIONS,
+    add_scalar_input,
+    is_final,
+    output_bytes,
+    raw_fp32_list,
+    raw_int32_sum,
+)
+
+#: Ensemble inputs the server sends: name -> Triton datatype.
+INPUT_TYPES = {"text_input": "BYTES", "max_tokens": "INT32", "stream": "BOOL", "exclude_input_in_output": "BOOL", "temperature": "FP32", "top_p": "FP32",
+               "top_k": "INT32", "seed": "UINT64", "stop_words": "BYTES", "return_log_probs": "BOOL",
+               "return_num_input_tokens": "BOOL", "return_num_output_tokens": "BOOL"}
+
+
+#: Idle streams kept open for reuse (beyond this, a finished request's stream is closed).
+MAX_IDLE_STREAMS = 256
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What the Triton model has (names of its inputs and outputs), and how it is configured."""
+
+    inputs: frozenset[str]
+    outputs: frozenset[str]
+    decoupled: bool
+    batched: bool
+    stop_model: str | None = None  # an ensemble step with upstream's `stop` input (see the module docstring)
+
+    def counts(self, kind: str) -> bool:
+        """Whether the model reports ``num_<kind>_tokens`` (kind: input or output) when asked."""
+        return f"return_num_{kind}_tokens" in self.inputs and f"num_{kind}_tokens" in self.outputs
+
+    @property
+    def logprobs(self) -> bool:
+        return "return_log_probs" in self.inputs and "output_log_probs" in self.outputs
+
+
+@dataclass
+class Chunk:
+    """One Triton response: its text, token counts (None: not reported), the chosen tokens' log-probs."""
+
+    text: str = ""
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    logprobs: list[float] = field(default_factory=list)
+    final: bool = False
+
+
+class TritonBackend:
+    """A Triton model behind the ensemble's contract, reached over gRPC (``host:port``)."""
+
+    def __init__(self, url: str, model: str = "ensemble") -> None:
+        self.url = url
+        self.model = model
+        self._channel: Any = None
+        self._stub: Any = None
+        self._contract: Contract | None = None
+        self._lock = asyncio.Lock()
+        self._stops: set[asyncio.Task[None]] = set()
+        self._idle: list[Any] = []  # open ModelStreamInfer calls with no request in flight
+
+    async def open(self) -> None:
+        import grpc
+        from tritonclient.grpc import service_pb2_grpc
+
+        self._channel = grpc.aio.insecure_channel(self.url, options=GRPC_OPTIONS)
+        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+
+    async def close(self) -> None:
+        while self._idle:
+            self._idle.pop().cancel()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    async def ready(self) -> bool:
+        """Whether the model is loaded and ready (False when Triton is unreachable)."""
+        import grpc
+        from tritonclient.grpc import service_pb2
+
+        try:
+            resp = await self._stub.ModelReady(service_pb2.ModelReadyRequest(name=self.model), timeout=2)
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(resp.ready)
+
+    async def contract(self) -> Contract:
+        """The model's contract, read once (raises APIError 503 while Triton or the model is not up)."""
+        if self._contract is not None:
+            return self._contract
+        import grpc
+        from tritonclient.grpc import service_pb2
+
+        async with self._lock:
+            if self._contract is None:
+                try:
+                    meta = await self._stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=self.model), timeout=5)
+                    cfg = (await self._stub.ModelConfig(service_pb2.ModelConfigRequest(name=self.model),
+                                                        timeout=5)).config
+                except grpc.aio.AioRpcError as exc:
+                    raise APIError(503, f"the Triton model {self.model!r} at {self.url} is not available "
+                                        f"({exc.code().name}: {exc.details()})") from None
+                names = {t.name for t in meta.inputs}
+                missing = {"text_input", "max_tokens"} - names
+                if missing or "text_output" not in {t.name for t in meta.outputs}:
+                    raise APIError(500, f"the Triton model {self.model!r} does not have the ensemble's contract "
+                                        "(text_input, max_tokens -> text_output)")
+                self._contract = Contract(frozenset(names), frozenset(t.name for t in meta.outputs),
+                                          bool(cfg.model_transaction_policy.decoupled), cfg.max_batch_size > 0,
+                                          await self._stop_model(cfg))
+        return self._contract
+
+    async def _stop_model(self, cfg: Any) -> str | None:
+        """The first step of an ensemble that takes upstream's ``stop`` input (None for other models)."""
+        import grpc
+        from tritonclient.grpc import service_pb2
+
+        if cfg.platform != "ensemble":
+            return None
+        for step in cfg.ensemble_scheduling.step:
+            try:
+                meta = await self._stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=step.model_name), timeout=5)
+            except grpc.aio.AioRpcError:
+                continue
+            if "stop" in {t.name for t in meta.inputs}:
+                return step.model_name
+        return None
+
+    def _send_stop(self, model: str, request_id: str, batched: bool) -> None:
+        """Fire a ``stop`` request for ``request_id`` at ``model`` (in the background; failures are ignored)."""
+        from tritonclient.grpc import service_pb2
+
+        msg = service_pb2.ModelInferRequest(model_name=model, id=request_id)
+        msg.parameters[EMPTY_FINAL_PARAM].bool_param = True
+        for name, value, dtype in (("input_ids", 0, "INT32"), ("input_lengths", 1, "INT32"),
+                                   ("request_output_len", 1, "INT32"), ("stop", True, "BOOL")):
+            add_scalar_input(msg, name, value, dtype, batched)
+
+        async def send() -> None:
+            import grpc
+
+            call = self._stub.ModelStreamInfer()
+            try:
+                await call.write(msg)
+                await asyncio.wait_for(call.read(), timeout=10)
+                await call.done_writing()
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError):
+                pass
+            finally:
+                call.cancel()
+
+        task = asyncio.ensure_future(send())
+        self._stops.add(task)
+        task.add_done_callback(self._stops.discard)
+
+    def _request(self, req: GenerationRequest, prompt: str, max_tokens: int, c: Contract) -> Any:
+        from tritonclient.grpc import service_pb2
+
+        msg = service_pb2.ModelInferRequest(model_name=self.model, id=f"kiln-openai-{uuid.uuid4().hex}")
+        msg.parameters[EMPTY_FINAL_PARAM].bool_param = True
+        wanted: dict[str, Any] = {"text_input": prompt.encode("utf-8"), "max_tokens": max_tokens,
+                                  "stream": req.stream and c.decoupled, "exclude_input_in_output": True}
+        if req.greedy:  # greedy on every target (TensorRT-LLM samples only with top_k > 1 or top_p > 0); a model
+            # without sampling inputs (kiln bench's mock) cannot sample anyway
+            if "top_k" in c.inputs:
+                wanted["top_k"] = 1
+            elif "temperature" in c.inputs:
+                wanted["temperature"] = 0.0
+        else:
+            wanted.update(temperature=req.temperature, top_p=req.top_p)
+        if req.seed is not None:
+            wanted["seed"] = req.seed
+        if req.stop:
+            wanted["stop_words"] = [w.encode("utf-8") for w in req.stop]  # Triton stops early; the app cuts the text
+        if req.logprobs:
+            if not c.logprobs:
+                raise bad(f"logprobs: the Triton model {self.model!r} does not return log-probabilities", "logprobs")
+            wanted["return_log_probs"] = True
+        for kind in ("input", "output"):
+            if c.counts(kind):
+                wanted[f"return_num_{kind}_tokens"] = True
+        for name, value in wanted.items():
+            if name not in c.inputs and name not in ("text_input", "max_tokens"):
+                if name in req.explicit:
+                    raise bad(f"{name}: the Triton model {self.model!r} has no such input", name)
+                continue  # a default the model does not take
+            add_scalar_input(msg, name, value, INPUT_TYPES[name], c.batched)
+        outputs = ["text_output"]
+        if req.logprobs:
+            outputs.append("output_log_probs")
+        outputs += [f"num_{kind}_tokens" for kind in ("input", "output") if c.counts(kind)]
+        for name in outputs:
+            msg.outputs.add().name = name
+        return msg
+
+    async def generate(self, req: GenerationRequest, prompt: str, max_tokens: int) -> AsyncIterator[Chunk]:
+        """Send one request; yield a Chunk per response. Model errors raise APIError(400, the model's message)."""
+        import grpc
+
+        c = await self.contract()
+        msg = self._request(req, prompt, max_tokens, c)
+        pooled = bool(self._idle)
+        call = self._idle.pop() if pooled else self._stub.ModelStreamInfer()
+        done = False
+        try:
+            try:
+                await call.write(msg)
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                if not pooled:
+                    raise
+                call.cancel()  # an idle stream that broke meanwhile (Triton restarted): one more try, on a new one
+                call = self._stub.ModelStreamInfer()
+                await call.write(msg)
+            while True:
+                item = await call.read()
+                if item is grpc.aio.EOF:
+                    raise APIError(503, f"Triton at {self.url} closed the stream before the final response")
+                resp = item.infer_response
+                if resp.id and resp.id != msg.id:
+                    continue  # not this request's (a stream is only reused after its request's final response)
+                if item.error_message:
+                    final = is_final(resp)
+                    done = final  # a final error leaves the stream reusable; otherwise it is dropped
+                    raise APIError(400, item.error_message)
+                chunk = Chunk(final=is_final(resp))
+                for i, out in enumerate(resp.outputs):
+                    if out.name == "text_output":
+                        chunk.text = output_bytes(resp, i).decode("utf-8", errors="replace")
+                    elif out.name == "num_input_tokens":
+                        chunk.input_tokens = raw_int32_sum(resp, i)
+                    elif out.name == "num_output_tokens":
+                        chunk.output_tokens = raw_int32_sum(resp, i)
+                    elif out.name == "output_log_probs":
+                        chunk.logprobs = raw_fp32_list(resp, i)
+                done = chunk.final
+                if done and len(self._idle) < MAX_IDLE_STREAMS:
+                    self._idle.append(call)
+                    call = None
+                yield chunk
+                if done:
+                    return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise APIError(503, f"Triton at {self.url} is not reachable ({exc.code().name})") from None
+            raise APIError(500, f"Triton stream failed: {exc.code().name}: {exc.details()}") from None
+        finally:
+            if not done:  # the caller stopped early (client gone, stop sequence) or an error: stop it in Triton
+                call.cancel()
+                if c.stop_model is not None:
+                    self._send_stop(c.stop_model, msg.id, c.batched)
+            elif call is not None:
+                if len(self._idle) < MAX_IDLE_STREAMS:
+                    self._idle.append(call)
+                else:
+                    call.cancel()
