@@ -22,7 +22,6 @@ import copy
 import json
 import os
 import time
-from importlib import metadata
 
 
 def read_job(path):
@@ -141,18 +140,10 @@ def fake_quant_state(job, quantize, device):
 
 
 def versions():
-    found = {}
-    for key, names in (("tensorrt_llm", ("tensorrt_llm", "tensorrt-llm")), ("tensorrt", ("tensorrt",)),
-                       ("nvidia-modelopt", ("nvidia-modelopt",)), ("transformers", ("transformers",)),
-                       ("torch", ("torch",))):
-        found[key] = None
-        for name in names:
-            try:
-                found[key] = metadata.version(name)
-                break
-            except metadata.PackageNotFoundError:
-                continue
-    return found
+    """The runtime's package versions, as the probe reads them (probe.py sits beside this script)."""
+    from probe import PACKAGES, version
+
+    return {key: version(names) for key, names in PACKAGES.items()}
 
 
 def main():
