@@ -139,7 +139,8 @@ def test_bench_writes_json_csv_and_png_that_agree(kiln, background, hf_greedy, t
                                for p in PROMPTS))
     out = tmp_path / "bench"
     result = kiln("bench", "--url", background.grpc, "--concurrency", "1,2", "--duration", "2", "--output-len",
-                  MAX_TOKENS, "--prompts", prompts, "--out", out, "--recipe", DEFAULT_RECIPE, "--gpu", "H100-SXM")
+                  MAX_TOKENS, "--input-len", 8, "--prompts", prompts, "--out", out, "--recipe", DEFAULT_RECIPE,
+                  "--gpu", "H100-SXM")
     assert result.exit_code == 0, result.output
     report = json.loads((out / "bench.json").read_text())
     assert report["total_errors"] == 0 and report["config"]["output_len"] == MAX_TOKENS
@@ -155,7 +156,8 @@ def test_bench_writes_json_csv_and_png_that_agree(kiln, background, hf_greedy, t
         assert float(row["e2e_p50_ms"]) == pytest.approx(lv["e2e_p50_ms"])
     png = (out / "bench.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
-    assert "x ideal" in result.output  # --recipe/--gpu: measured figures next to the planner's ideal
+    # --recipe/--gpu: each level's measured figures next to `kiln plan`'s speed model for the same workload
+    assert "vs plan" in result.output and "x plan" in result.output and "kiln plan speed model" in result.output
     assert f"wrote {out / 'bench.json'}, {out / 'bench.csv'}, {out / 'bench.png'}" in result.output
 
 
