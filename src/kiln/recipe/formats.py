@@ -461,10 +461,15 @@ def _refusal(table: Mapping[str, _Format], kind: str, name: str, target_name: st
     on = (f"{gpu_name} on {target_name}" if gpu_name else f"SM {sm} on {target_name}" if sm is not None
           else f"the {target_name} target")
     hint = f"use {kind}: {options[0]} instead ({on} runs {', '.join(here)})" if options else ""
-    if target(target_name).device == "cuda":
+    if target(target_name).device == "cuda" and fmt.support[target_name].unsupported is None:
         weight, kv = (name, "none") if kind == "quantization.format" else ("none", name)
         gpus = gpus_that_run(target_name, weight, kv)
         hint += f", or a GPU that runs {name}: {', '.join(gpus) if gpus else 'none in kiln GPU table'}"
+    elif target(target_name).device == "cuda":  # no GPU helps: name the targets that do run it
+        others = [t for t in registry().targets if t != target_name and fmt.support[t].unsupported is None
+                  and registry().targets[t].device == "cuda"]
+        if others:
+            hint += f", or target: {' / '.join(others)}"
     else:
         others = [t for t in registry().targets if t != target_name and fmt.support[t].unsupported is None
                   and (registry().targets[t].device == "cuda" or fmt.fake_quant_needs_cuda is None)]
