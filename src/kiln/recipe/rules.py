@@ -68,18 +68,36 @@ def reference_target_limits(r: Recipe) -> Iterator[Problem]:
         yield warn("serving.cuda_graphs", "the reference runtimes run on the CPU: CUDA graphs have no effect there")
 
 
+#: Recipe values TensorRT-LLM's PyTorch backend (target pytorch) needs: dotted key → (the value, why).
+PYTORCH_REQUIRES: dict[str, tuple[object, str]] = {
+    "serving.batching": ("inflight_fused", "the PyTorch backend only batches in flight (there is no static v1 "
+                         "batching)"),
+    "engine.kv_cache_type": ("paged", "the PyTorch backend's KV cache is always paged"),
+    "serving.gpu_device_ids": (None, "the LLM API uses every GPU the process sees: choose them with "
+                               "CUDA_VISIBLE_DEVICES where the server starts"),
+    "serving.add_special_tokens": (True, "the LLM API's tokenizer adds the special tokens; the llmapi model has no "
+                                   "switch for it"),
+    "serving.skip_special_tokens": (True, "the LLM API's detokenizer skips the special tokens; the llmapi model has "
+                                    "no switch for it"),
+}
+
+
+def _value(r: Recipe, dotted: str) -> object:
+    node: object = r
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
 @rule
 def pytorch_backend(r: Recipe) -> Iterator[Problem]:
     """What TensorRT-LLM's PyTorch backend (target pytorch) does not have: static batching, a non-paged KV cache,
-    and serving across nodes from kiln's deploy files."""
+    per-model GPU lists and special-token switches, and serving across nodes from kiln's deploy files."""
     if r.target != "pytorch":
         return
-    if r.serving.batching != "inflight_fused":
-        yield err("serving.batching", "the PyTorch backend only batches in flight (there is no static v1 batching)",
-                  "set serving.batching: inflight_fused")
-    if r.engine.kv_cache_type != "paged":
-        yield err("engine.kv_cache_type", "the PyTorch backend's KV cache is always paged",
-                  "set engine.kv_cache_type: paged")
+    for key, (value, why) in PYTORCH_REQUIRES.items():
+        if _value(r, key) != value:
+            yield err(key, why, f"set {key}: {'empty' if value is None else str(value).lower()} (or target: tensorrt)")
     ranks = r.parallelism.tp * r.parallelism.pp
     if ranks > r.hardware.gpus_per_node:
         yield err("parallelism", f"tp × pp = {ranks} spans several nodes (hardware.gpus_per_node "
