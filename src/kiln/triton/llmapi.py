@@ -136,12 +136,14 @@ def check_llm_args(args: dict) -> list[str]:
 # ------------------------------------------------------------------------------------------ recipe → arguments
 
 
-def _speculative(recipe: Recipe, draft_path: Optional[str]) -> Optional[dict]:
+def _speculative(recipe: Recipe, draft_path: Optional[str], strict: bool) -> Optional[dict]:
     sp = recipe.engine.speculative
     if sp.mode == "none":
         return None
     kind = DECODING_TYPE.get(sp.mode)
     if kind is None:
+        if not strict:
+            return None
         raise ValueError(f"engine.speculative.mode {sp.mode} does not run on the pytorch target")
     out: dict[str, Any] = {"decoding_type": kind}
     if kind == "MTP":
@@ -158,8 +160,9 @@ def _speculative(recipe: Recipe, draft_path: Optional[str]) -> Optional[dict]:
 
 
 def llm_args_for(recipe: Recipe, model_path: str, max_seq_len: Optional[int],
-                 draft_path: Optional[str] = None) -> dict[str, Any]:
-    """The LLM arguments the recipe means (see :data:`RECIPE_MAPPING`), for a checkpoint at ``model_path``."""
+                 draft_path: Optional[str] = None, strict: bool = True) -> dict[str, Any]:
+    """The LLM arguments the recipe means (see :data:`RECIPE_MAPPING`), for a checkpoint at ``model_path``.
+    ``strict=False`` leaves out what the target refuses (a speculative mode it does not run) instead of raising."""
     e, s = recipe.engine, recipe.serving
     kv: dict[str, Any] = {
         "free_gpu_memory_fraction": s.kv_cache_free_gpu_mem_fraction,
@@ -192,7 +195,7 @@ def llm_args_for(recipe: Recipe, model_path: str, max_seq_len: Optional[int],
                                      "enable_padding": True}
     elif s.cuda_graphs is False:
         args["cuda_graph_config"] = None  # TorchLlmArgs: null turns CUDA graphs off
-    spec = _speculative(recipe, draft_path)
+    spec = _speculative(recipe, draft_path, strict)
     if spec is not None:
         args["speculative_config"] = spec
     return args
@@ -353,7 +356,7 @@ RECIPE_MAPPING: dict[str, tuple[str, str]] = {
     "serving.bls_instances": ("dropped", "no BLS model: speculative decoding runs inside the LLM"),
     "serving.add_special_tokens": ("refused", "true (the LLM API's tokenizer adds them)"),
     "serving.skip_special_tokens": ("refused", "true (the LLM API's detokenizer skips them)"),
-    "serving.cuda_graphs": ("arg", "cuda_graph_config (empty: upstream's default, on)"),
+    "serving.cuda_graphs": ("arg", "cuda_graph_config (true: padded graphs up to min(max_batch_size, 128); false: null)"),
     "serving.llmapi_runtime": ("same", "which runtime serves the llmapi model (the GPU LLM API or kiln's CPU "
                                "reference)"),
     "serving.cpu_threads": ("same", "torch threads of the CPU reference runtime"),

@@ -185,10 +185,11 @@ class TritonPythonModel:
 
             self.sampling_params = ReferenceSamplingParams
             threads = get_int_param(self.model_config, "num_threads", None, minimum=1)
-            self._llm = ReferenceLLM(**llm_args, num_threads=threads)
-            if self._llm.not_applied:
+            reference = ReferenceLLM(**llm_args, num_threads=threads)
+            if reference.not_applied:
                 pb_utils.Logger.log_info("tensorrt_llm (llmapi reference): GPU-only LLM arguments not applied on "
-                                         "the CPU: " + ", ".join(self._llm.not_applied))
+                                         "the CPU: " + ", ".join(reference.not_applied))
+            self._llm = reference
         else:
             raise ValueError(f"tensorrt_llm (llmapi): parameter runtime is {self.runtime!r}; use tensorrt_llm "
                              "(the GPU) or reference (kiln's CPU test and development vehicle)")
@@ -270,7 +271,7 @@ class TritonPythonModel:
         error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
         return pb_utils.InferenceResponse(output_tensors=[], error=error)
 
-    def _response(self, output, switches):
+    def _response(self, output: "tensorrt_llm.llmapi.RequestOutput", switches):
         tensors = [pb_utils.Tensor("text_output", np.array([o.text.encode("utf-8") for o in output.outputs],
                                                            dtype=np.object_))]
         for switch, attr in OUTPUT_SWITCHES.items():
@@ -284,11 +285,13 @@ class TritonPythonModel:
         tensors += self._perf_metrics(output)
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
-    def _perf_metrics(self, output):
+    def _perf_metrics(self, output: "tensorrt_llm.llmapi.RequestOutput"):
         """Per-request metrics of the LLM API (asked for with sampling_param_return_perf_metrics), typed as the
         contract declares them."""
-        first = output.outputs[0] if output.outputs else None
-        metrics = first.request_perf_metrics if first is not None else None
+        if not output.outputs:
+            return []
+        first = output.outputs[0]
+        metrics = first.request_perf_metrics
         if not metrics:
             return []
         kv, timing, spec = metrics.kv_cache_metrics, metrics.timing_metrics, metrics.speculative_decoding
