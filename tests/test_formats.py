@@ -264,7 +264,8 @@ def _registry_text(edit: str = "") -> str:
      "    trtllm_kv_cache_dtype: null\n    bytes_per_element: 1\n    support: {tensorrt: {}}\n",
      "kv_cache_formats.extra.support: no entry for target 'reference'"),
     ("  extra:\n    label: x\n    modelopt_config: null\n    kv_cache_quant_algo: FP16\n"
-     "    trtllm_kv_cache_dtype: null\n    bytes_per_element: 1\n    support: {tensorrt: {}, pytorch: {}, reference: {}}\n",
+     "    trtllm_kv_cache_dtype: null\n    bytes_per_element: 1\n"
+     "    support: {tensorrt: {}, pytorch: {}, reference: {}}\n",
      "kv_cache_formats.extra.kv_cache_quant_algo: 'FP16' is not one TensorRT-LLM 1.2.1 accepts"),
     ("  extra:\n    label: x\n    modelopt_config: null\n    kv_cache_quant_algo: null\n    gentler: [fp16]\n"
      "    trtllm_kv_cache_dtype: null\n    bytes_per_element: 1\n    support:\n      tensorrt:\n"

@@ -38,6 +38,12 @@ def _prepare(target: str, overrides, build_dir: Path, repo_dir: Path):
     if loaded.recipe.target == "reference":
         err.print("note: target 'reference' serves the quantized model with PyTorch on CPU — a test and "
                   "development vehicle, not the fast path.", style="dim")
+    if loaded.recipe.target == "pytorch":
+        from kiln.recipe.schema import llmapi_runtime
+
+        if llmapi_runtime(loaded.recipe) == "reference":
+            err.print("note: target 'pytorch' without a GPU here: kiln's CPU reference runtime serves the llmapi "
+                      "model — a test and development vehicle, not the fast path.", style="dim")
     return repo_dir / loaded.recipe.name, loaded.recipe.serving, loaded
 
 
@@ -88,7 +94,9 @@ def serve(target, overrides, host, http_port, grpc_port, metrics_port, docker, b
 def _announce(state: dict, background: bool) -> None:
     urls = state["urls"]
     out.print(f"ready: {state['repo']}  (started in {state.get('startup_s') or 0:.1f}s)", markup=False)
-    out.print(f"  http    {urls['http']}   (POST {urls['http']}/v2/models/ensemble/generate)", markup=False)
+    llmapi = (Path(state["repo"]) / "tensorrt_llm" / "1" / "model.yaml").is_file()  # target pytorch's layout
+    model = "tensorrt_llm" if llmapi else "ensemble"
+    out.print(f"  http    {urls['http']}   (POST {urls['http']}/v2/models/{model}/generate)", markup=False)
     out.print(f"  grpc    {urls['grpc']}", markup=False)
     out.print(f"  metrics {urls['metrics']}", markup=False)
     out.print("stop with: kiln stop" if background else "Ctrl-C to stop", markup=False)

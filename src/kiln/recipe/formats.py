@@ -149,6 +149,24 @@ class EngineFakeQuant(_Frozen):
     source: str
 
 
+class UnifiedLayout(_Frozen):
+    """How ModelOpt's unified Hugging Face checkpoint stores a weight format's linear layers (target pytorch), for
+    kiln's CPU reference runtime: the weight encoding, an FP8 activation step (input_scale), an FP8 step of the
+    dequantized weight (weight_scale_2)."""
+
+    weights: Literal["fp8", "int4_packed"]
+    activations: Optional[Literal["fp8"]] = None
+    weight_fp8_step: bool = False
+    source: str
+
+
+class UnifiedKV(_Frozen):
+    """How the unified checkpoint's KV cache rounds keys and values (k_scale / v_scale)."""
+
+    rounding: Literal["fp8"]
+    source: str
+
+
 class _Format(_Frozen):
     name: str = ""
     label: str
@@ -170,6 +188,7 @@ class WeightFormat(_Format):
     trtllm_quantizes_weights: bool = False
     engine_fake_quant: Optional[EngineFakeQuant] = None
     fp8_context_fmha: bool = False
+    unified: Optional[UnifiedLayout] = None
 
     @property
     def uses_awq_block_size(self) -> bool:
@@ -213,6 +232,7 @@ class KVCacheFormat(_Format):
     trtllm_kv_cache_dtype: Optional[str]
     bytes_per_element: Optional[int]
     disables_paged_context_fmha: bool = False
+    unified: Optional[UnifiedKV] = None
 
 
 class QuantAlgos(_Frozen):
@@ -271,6 +291,7 @@ class Registry(_Frozen):
                     problems.append(f"{key}.engine_fake_quant: needed (trtllm-build quantizes these weights, and "
                                     "the engine runtime's quality gate must reproduce it)")
                 cuda += [engine_fq.source] if engine_fq else []
+                cuda += [fmt.unified.source] if getattr(fmt, "unified", None) else []
                 problems += [f"{key}.fake_quant_needs_cuda: unknown source {s!r}"
                              for s in cuda if s not in self.sources]
                 for target, sup in fmt.support.items():

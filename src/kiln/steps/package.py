@@ -154,8 +154,9 @@ def _package_llmapi(ctx: StepContext, quantize_dir: Path, max_seq_len: int) -> P
                              "target=pytorch --to quantize`)")
     produced = ctx.result(QuantizeResult).produced_by
     with ctx.status("writing the Triton llmapi repository"):
+        quality = ctx.result(EvaluateResult).figures() or None
         info = write_llmapi_repository(r, quantize_dir / UNIFIED_DIR, ctx.out_dir, max_seq_len, final=ctx.final_dir,
-                                       fingerprint=ctx.fingerprint, quality=ctx.result(EvaluateResult).figures() or None,
+                                       fingerprint=ctx.fingerprint, quality=quality,
                                        draft_checkpoint=draft, image=r.engine_runtime.image,
                                        image_digest=produced.get("image_digest"))
     findings = lint_repository(ctx.out_dir)

@@ -48,6 +48,7 @@ from kiln.models.loading import (
     model_source_hash,
     resolve_dtype,
     resolve_model_dir,
+    save_tokenizer,
 )
 from kiln.recipe.formats import kv_cache_format, registry, weight_format
 from kiln.recipe.loader import LoadedRecipe
@@ -396,7 +397,7 @@ def quantize(ctx: StepContext) -> QuantizeResult:
         model = load_model(model_dir, dtype, recipe.model.trust_remote_code)
         with hf_progress_off():
             model.save_pretrained(str(ckpt))
-        tokenizer.save_pretrained(str(ckpt))
+        save_tokenizer(tokenizer, ckpt)
     load_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -498,7 +499,7 @@ def export_trtllm(model: Any, recipe: Recipe, info: ModelInfo, dtype: str, token
         quant["quant_algo"] = fmt.quant_algo
     fix_rope(config, info.config)
     config_path.write_text(json.dumps(config, indent=4) + "\n", encoding="utf-8")
-    tokenizer.save_pretrained(str(export_dir / "tokenizer"))
+    save_tokenizer(tokenizer, export_dir / "tokenizer")
     return check_trtllm_checkpoint(export_dir, q.format, q.kv_cache, tp * pp)
 
 

@@ -40,7 +40,7 @@ def export_unified(model: Any, dtype: str, tokenizer: Any, export_dir: Path, fmt
     The model is left in ModelOpt's export state (its weights packed): call this last."""
     from modelopt.torch.export import export_hf_checkpoint
 
-    from kiln.models.loading import torch_dtype
+    from kiln.models.loading import save_tokenizer, torch_dtype
     from kiln.steps.quantize import quiet_stdout
 
     try:
@@ -49,7 +49,7 @@ def export_unified(model: Any, dtype: str, tokenizer: Any, export_dir: Path, fmt
     except (RuntimeError, ValueError, AssertionError, KeyError, NotImplementedError) as exc:
         raise KilnError(f"ModelOpt's unified Hugging Face export failed: {type(exc).__name__}: "
                         f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
-    tokenizer.save_pretrained(str(export_dir))
+    save_tokenizer(tokenizer, export_dir)
     return check_unified_checkpoint(export_dir, fmt, kv)
 
 

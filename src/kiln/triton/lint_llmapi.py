@@ -106,8 +106,9 @@ def check_llmapi(m: Model, repo: Path, kiln_info: dict) -> list[Finding]:
     if "max_batch_size" in tc and m.config.max_batch_size != tc["max_batch_size"]:
         findings.append(Finding("error", m.name, cfg_file, m.line_of(r"^\s*max_batch_size\s*:"),
                                 f"max_batch_size is {m.config.max_batch_size} but model.yaml triton_config says "
-                                f"{tc['max_batch_size']}", f"set max_batch_size: {tc['max_batch_size']} in config.pbtxt "
-                                "(the server serves config.pbtxt with --disable-auto-complete-config)"))
+                                f"{tc['max_batch_size']}",
+                                f"set max_batch_size: {tc['max_batch_size']} in config.pbtxt (the server serves "
+                                "config.pbtxt with --disable-auto-complete-config)"))
     if "decoupled" in tc and m.decoupled != bool(tc["decoupled"]):
         findings.append(Finding("error", m.name, cfg_file, m.line_of("model_transaction_policy"),
                                 f"decoupled is {m.decoupled} but model.yaml triton_config.decoupled is "

@@ -27,12 +27,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from tritonclient.grpc import model_config_pb2 as mc
 
-from kiln.recipe.formats import kv_cache_format
+from kiln.recipe.formats import kv_cache_format, registry
 from kiln.recipe.schema import Recipe, llmapi_runtime
 from kiln.triton.repository import cpu_instances, render, set_parameters
 
 MODEL_NAME = "tensorrt_llm"
 MODEL_YAML = "model.yaml"
+#: Beside the llmapi model.py: how the CPU reference runtime dequantizes each quant_algo (from the format registry).
+DEQUANTIZE_FILE = "kiln_dequantize.json"
 #: Where the unified checkpoint (and a draft model's) lives in the model's version directory; model.yaml names them
 #: relative to it (kiln's model.py resolves them there).
 CHECKPOINT_DIR = "checkpoint"
@@ -238,6 +240,19 @@ def model_yaml(recipe: Recipe, max_seq_len: Optional[int], draft: bool = False) 
     return {**args, "triton_config": triton_config_for(recipe)}
 
 
+def dequantize_table() -> dict[str, Any]:
+    """The format registry's unified-checkpoint layouts by the quant_algo / kv_cache_quant_algo the checkpoint's
+    hf_quant_config.json names: what kiln's CPU reference runtime dequantizes (it cannot import kiln)."""
+    reg = registry()
+    return {
+        "source": "kiln/recipe/data/formats.yaml (unified)",
+        "weights": {f.quant_algo: f.unified.model_dump(exclude={"source"}) for f in reg.weight_formats.values()
+                    if f.unified is not None and f.quant_algo},
+        "kv_cache": {f.kv_cache_quant_algo: f.unified.rounding for f in reg.kv_cache_formats.values()
+                     if f.unified is not None and f.kv_cache_quant_algo},
+    }
+
+
 def dump_yaml(data: dict, header: str = "") -> str:
     body = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=100)
     return (header + "\n" if header else "") + body
@@ -314,7 +329,8 @@ def trtllm_serve_command(recipe: Recipe, checkpoint: str, options_file: str, hos
 #: PyTorch backend needs). A test keeps it complete: a new recipe key must say what it becomes here.
 RECIPE_MAPPING: dict[str, tuple[str, str]] = {
     "engine.max_batch_size": ("arg", "max_batch_size"),
-    "engine.max_input_len": ("arg", "max_input_len"),
+    "engine.max_input_len": ("arg", "max_input_len (the PyTorch backend refuses prompts by max_num_tokens and "
+                             "max_seq_len instead)"),
     "engine.max_seq_len": ("arg", "max_seq_len (the model's max_position_embeddings when empty)"),
     "engine.max_num_tokens": ("arg", "max_num_tokens"),
     "engine.max_beam_width": ("arg", "max_beam_width"),
@@ -346,8 +362,9 @@ RECIPE_MAPPING: dict[str, tuple[str, str]] = {
     "serving.enable_chunked_context": ("arg", "enable_chunked_prefill"),
     "serving.kv_cache_host_memory_bytes": ("arg", "kv_cache_config.host_cache_size"),
     "serving.streaming": ("arg", "triton_config.decoupled (and model_transaction_policy in config.pbtxt)"),
-    "serving.exclude_input_in_output": ("arg", "the llmapi model's default for sampling_param_exclude_input_from_output "
-                                        "(upstream's model defaults it to false: the prompt is echoed)"),
+    "serving.exclude_input_in_output": ("arg", "the llmapi model's default for "
+                                        "sampling_param_exclude_input_from_output (upstream's model defaults it to "
+                                        "false: the prompt is echoed)"),
     "serving.max_queue_delay_microseconds": ("dropped", "the llmapi model takes one prompt per request "
                                              "(max_batch_size 0); the LLM batches in flight itself"),
     "serving.gpu_device_ids": ("refused", "empty: the LLM API uses the GPUs the process sees (CUDA_VISIBLE_DEVICES)"),
@@ -356,7 +373,8 @@ RECIPE_MAPPING: dict[str, tuple[str, str]] = {
     "serving.bls_instances": ("dropped", "no BLS model: speculative decoding runs inside the LLM"),
     "serving.add_special_tokens": ("refused", "true (the LLM API's tokenizer adds them)"),
     "serving.skip_special_tokens": ("refused", "true (the LLM API's detokenizer skips them)"),
-    "serving.cuda_graphs": ("arg", "cuda_graph_config (true: padded graphs up to min(max_batch_size, 128); false: null)"),
+    "serving.cuda_graphs": ("arg", "cuda_graph_config (true: padded graphs up to min(max_batch_size, 128); "
+                            "false: null)"),
     "serving.llmapi_runtime": ("same", "which runtime serves the llmapi model (the GPU LLM API or kiln's CPU "
                                "reference)"),
     "serving.cpu_threads": ("same", "torch threads of the CPU reference runtime"),

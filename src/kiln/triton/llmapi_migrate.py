@@ -55,11 +55,11 @@ def migration_view(recipe: Recipe) -> list[str]:
     lines = [f"moving {recipe.name} to target pytorch: TensorRT-LLM {recipe.engine_runtime.trtllm_version}'s PyTorch "
              "backend, served by Triton's llmapi model (tensorrt_llm/1/model.yaml) or trtllm-serve",
              "  carries over unchanged:",
-             f"    model ({recipe.model.source}, dtype {recipe.model.dtype} → LLM argument dtype), evaluation (the same "
-             "quality gate on the same held-out text), hardware, engine_runtime (its image quantizes and serves)",
+             f"    model ({recipe.model.source}, dtype {recipe.model.dtype} → LLM argument dtype), evaluation (the "
+             "same quality gate on the same held-out text), hardware, engine_runtime (its image quantizes and serves)",
              f"    quantization: {fmt.label}" + (f" + {kv.label}" if q.kv_cache != "none" else "")
-             + f", the same hashed calibration data → ModelOpt's unified Hugging Face checkpoint (hf_quant_config.json "
-             f"quant_algo {fmt.quant_algo}, kv_cache_quant_algo {kv.kv_cache_quant_algo}) instead of a TensorRT-LLM "
+             + ", the same hashed calibration data → ModelOpt's unified Hugging Face checkpoint "
+             f"(hf_quant_config.json quant_algo {fmt.quant_algo}, kv_cache_quant_algo {kv.kv_cache_quant_algo}) instead of a TensorRT-LLM "
              "checkpoint; exported " + ("in the engine runtime by the image's" if runtime == "engine" else
                                         "on this host by kiln's") + " ModelOpt",
              f"    parallelism: tp {recipe.parallelism.tp}, pp {recipe.parallelism.pp} → tensor_parallel_size, "

@@ -6,6 +6,7 @@ Layout (``triton_repo/<recipe>/``)::
     tensorrt_llm/config.pbtxt        upstream's llmapi tensors; max_batch_size / decoupled as triton_config says
     tensorrt_llm/1/model.yaml        the LLM arguments (checked against TensorRT-LLM 1.2.1's) + triton_config
     tensorrt_llm/1/model.py          kiln's llmapi model (GPU LLM API, or the CPU reference runtime)
+    tensorrt_llm/1/kiln_dequantize.json  the reference runtime's dequantization layouts (from the format registry)
     tensorrt_llm/1/checkpoint/       ModelOpt's unified Hugging Face checkpoint (hard links)
     tensorrt_llm/1/draft_checkpoint/ the draft model's, for draft-target speculative decoding
     kiln.json                        recipe, fingerprint, runtime, serving container, server and trtllm-serve commands
@@ -27,11 +28,13 @@ from kiln.recipe.schema import Recipe, llmapi_runtime
 from kiln.triton.deploy.info import CONTAINER_REPO
 from kiln.triton.llmapi import (
     CHECKPOINT_DIR,
+    DEQUANTIZE_FILE,
     DRAFT_DIR,
     MODEL_NAME,
     MODEL_YAML,
     check_llm_args,
     check_triton_config,
+    dequantize_table,
     dump_yaml,
     model_yaml,
     render_config,
@@ -89,6 +92,7 @@ def write_llmapi_repository(recipe: Recipe, checkpoint: Path, out: Path, max_seq
     (model / "config.pbtxt").write_text(render_config(recipe, runtime), encoding="utf-8")
     (version / MODEL_YAML).write_text(dump_yaml(data, _header(recipe)), encoding="utf-8")
     install_python_model(LLMAPI_SOURCE, model)
+    (version / DEQUANTIZE_FILE).write_text(json.dumps(dequantize_table(), indent=2) + "\n", encoding="utf-8")
     link_tree(checkpoint, version / CHECKPOINT_DIR)
     if draft_checkpoint is not None:
         link_tree(draft_checkpoint, version / DRAFT_DIR)

@@ -65,7 +65,7 @@ def quant_config(mtq, job):
             config = set_block_size(config, job["awq_block_size"])
         if job.get("smoothquant_alpha") is not None:
             config["algorithm"] = {"method": "smoothquant", "alpha": job["smoothquant_alpha"]}
-    elif isinstance(mtq.FP8_DEFAULT_CFG["quant_cfg"], dict):  # no weight quantization, in the presets' own shape
+    elif isinstance(getattr(mtq, job["kv_preset"])["quant_cfg"], dict):  # KV only, in the presets' own shape
         config = {"quant_cfg": {"default": {"enable": False}}, "algorithm": "max"}
     else:
         config = {"quant_cfg": [{"quantizer_name": "*", "enable": False}], "algorithm": "max"}

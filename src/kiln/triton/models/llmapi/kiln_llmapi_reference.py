@@ -3,7 +3,8 @@ path. It stands in for ``tensorrt_llm.LLM`` where there is no GPU, behind the sa
 whole pytorch path (recipe → unified checkpoint → Triton llmapi repository → tokens) runs and is tested on a CPU.
 
 It loads ModelOpt's unified Hugging Face checkpoint itself, the files TensorRT-LLM's PyTorch backend loads, and
-never the ModelOpt state: ``hf_quant_config.json`` names the format; quantized weights are dequantized (FP8:
+never the ModelOpt state: ``hf_quant_config.json`` names the format, and ``kiln_dequantize.json`` (written beside
+this file from kiln's format registry) says how it is stored; quantized weights are dequantized (FP8:
 ``weight × weight_scale``; INT4 AWQ: two int4 values per byte, ``× weight_scale`` per group; W4A8 AWQ: that, then
 the FP8 step of ``weight_scale_2``), activations keep what the format quantizes (``pre_quant_scale``, and the FP8
 ``input_scale`` of FP8 and W4A8), and an FP8 KV cache quantizes keys and values with the exported
@@ -13,7 +14,9 @@ the FP8 step of ``weight_scale_2``), activations keep what the format quantizes 
 The engine has the LLM API's shape as kiln's llmapi model.py uses it: ``generate_async(prompt, sampling_params=…,
 streaming=…)`` returns a request output that is iterated with ``async for`` (the text is cumulative, as the LLM
 API's ``CompletionOutput.text`` is) and can be ``abort()``-ed; ``shutdown()``. Requests run one at a time on one
-generation thread (greedy, or seeded temperature / top-k / top-p sampling); stop strings end a completion
+generation thread (greedy, or seeded temperature / top-k / top-p sampling); a prompt longer than max_num_tokens
+(without chunked prefill) or one that leaves no room for max_tokens within max_seq_len is refused, as the PyTorch
+backend refuses it (max_input_len limits nothing there); stop strings end a completion
 (``finish_reason`` "stop", ``stop_reason`` the string, not included in the text), as does the end token.
 It imports torch, transformers, safetensors and tokenizers; never ModelOpt, TensorRT-LLM or kiln.
 """
@@ -34,8 +37,8 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 #: Scale tensors of a quantized linear layer in the unified checkpoint (consumed with its weight).
 SCALE_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale")
 KV_SCALES = {"k_proj.k_scale": "k_scale", "v_proj.v_scale": "v_scale"}
-SUPPORTED_ALGOS = (None, "FP8", "W4A16_AWQ", "W4A8_AWQ")
-SUPPORTED_KV = (None, "FP8")
+#: How each quant_algo is stored (written beside this file by kiln's package step from its format registry).
+LAYOUTS_FILE = "kiln_dequantize.json"
 ATTENTION = "kiln_fp8_kv"
 
 
@@ -84,19 +87,29 @@ def read_quant_config(path):
         return json.load(fh).get("quantization") or {}
 
 
-def _dequantize(algo, weight, scales, out_features, group_size):
+def read_layouts(path=None):
+    """The dequantization layouts kiln wrote beside this file: {"weights": {quant_algo: layout}, "kv_cache": {...}}."""
+    path = path or os.path.join(os.path.dirname(os.path.abspath(__file__)), LAYOUTS_FILE)
+    if not os.path.isfile(path):
+        raise ReferenceError(f"{path} not found: kiln's package step writes it beside model.py")
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def _dequantize(layout, algo, weight, scales, out_features, group_size):
     scale = scales["weight_scale"].float()
-    if algo == "FP8":
-        return weight.float() * scale
-    if algo in ("W4A16_AWQ", "W4A8_AWQ"):
+    if layout["weights"] == "fp8":
+        dense = weight.float() * scale
+    elif layout["weights"] == "int4_packed":
         if not group_size:
             raise ReferenceError(f"{algo} checkpoint without a group_size in hf_quant_config.json")
         values = unpack_int4(weight, out_features)
         dense = values * scale.repeat_interleave(int(group_size), dim=1)[:, : values.shape[1]]
-        if algo == "W4A8_AWQ":
-            dense = fp8_round(dense, scales["weight_scale_2"].float())
-        return dense
-    raise ReferenceError(f"quant_algo {algo} is not one the CPU reference runtime dequantizes ({SUPPORTED_ALGOS})")
+    else:
+        raise ReferenceError(f"{algo}: weight layout {layout['weights']!r} is not one the reference dequantizes")
+    if layout.get("weight_fp8_step"):
+        dense = fp8_round(dense, scales["weight_scale_2"].float())
+    return dense
 
 
 def _fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
@@ -112,8 +125,9 @@ def _fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def load_unified_checkpoint(path, dtype="auto"):
-    """The model of a unified checkpoint, dequantized (see the module docstring); returns (model, quantization)."""
+def load_unified_checkpoint(path, dtype="auto", layouts=None):
+    """The model of a unified checkpoint, dequantized by ``layouts`` (default: the file kiln wrote beside this one;
+    see the module docstring); returns (model, quantization)."""
     from safetensors.torch import load_file
     from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
@@ -121,10 +135,13 @@ def load_unified_checkpoint(path, dtype="auto"):
         cfg = json.load(fh)
     quant = read_quant_config(path)
     algo, kv_algo = quant.get("quant_algo"), quant.get("kv_cache_quant_algo")
-    if algo not in SUPPORTED_ALGOS:
-        raise ReferenceError(f"quant_algo {algo} is not one the CPU reference runtime runs ({SUPPORTED_ALGOS})")
-    if kv_algo not in SUPPORTED_KV:
-        raise ReferenceError(f"kv_cache_quant_algo {kv_algo} is not one the CPU reference runtime runs")
+    layouts = layouts if layouts is not None else (read_layouts() if algo or kv_algo else {})
+    weights, kv_rounding = layouts.get("weights", {}), layouts.get("kv_cache", {})
+    if algo is not None and algo not in weights:
+        raise ReferenceError(f"quant_algo {algo} is not one the CPU reference runtime runs ({', '.join(weights)})")
+    if kv_algo is not None and kv_algo not in kv_rounding:
+        raise ReferenceError(f"kv_cache_quant_algo {kv_algo} is not one the CPU reference runtime runs "
+                             f"({', '.join(kv_rounding)})")
     cfg.pop("quantization_config", None)  # transformers has no loader for ModelOpt's: kiln dequantizes itself
     config = AutoConfig.for_model(**cfg)
     if dtype in (None, "auto"):
@@ -132,7 +149,7 @@ def load_unified_checkpoint(path, dtype="auto"):
     if dtype not in _DTYPES:
         raise ReferenceError(f"dtype {dtype!r}: the CPU reference runtime runs {', '.join(_DTYPES)}")
     attention = "sdpa"
-    if kv_algo == "FP8":
+    if kv_algo is not None and kv_rounding[kv_algo] == "fp8":
         AttentionInterface.register(ATTENTION, _fp8_kv_attention)
         attention = ATTENTION
     model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[dtype], attn_implementation=attention).eval()
@@ -152,8 +169,9 @@ def load_unified_checkpoint(path, dtype="auto"):
                 raise ReferenceError(f"{key}: a quantized weight of {prefix}, which is not a linear layer here")
             scales = {s: tensors[f"{prefix}.{s}"] for s in SCALE_SUFFIXES if f"{prefix}.{s}" in tensors}
             used.update(f"{prefix}.{s}" for s in scales)
-            dense = _dequantize(algo, tensor, scales, linear.out_features, quant.get("group_size"))
-            act = scales.get("input_scale") if algo in ("FP8", "W4A8_AWQ") else None
+            layout = weights[algo]
+            dense = _dequantize(layout, algo, tensor, scales, linear.out_features, quant.get("group_size"))
+            act = scales.get("input_scale") if layout.get("activations") == "fp8" else None
             pqs = scales.get("pre_quant_scale")
             new = DequantizedLinear(dense.to(_DTYPES[dtype]), linear.bias,
                                     None if pqs is None else pqs.float(), None if act is None else act.float())
@@ -276,7 +294,7 @@ class ReferenceLLM:
     """``tensorrt_llm.LLM``'s place on a CPU: takes the same arguments (model.yaml's), serves one request at a time."""
 
     def __init__(self, model, tensor_parallel_size=1, pipeline_parallel_size=1, dtype="auto", max_batch_size=None,
-                 max_input_len=None, max_seq_len=None, max_num_tokens=None, num_threads=None, **others):
+                 max_seq_len=None, max_num_tokens=8192, enable_chunked_prefill=False, num_threads=None, **others):
         if tensor_parallel_size * pipeline_parallel_size != 1:
             raise ReferenceError("the CPU reference runtime runs one process: tensor_parallel_size and "
                                  "pipeline_parallel_size must be 1")
@@ -286,7 +304,9 @@ class ReferenceLLM:
             torch.set_num_threads(int(num_threads))
         self.model, self.quantization = load_unified_checkpoint(model, dtype)
         self.tokenizer = Tokenizer.from_file(os.path.join(model, "tokenizer.json"))
-        self.max_input_len, self.max_num_tokens = max_input_len, max_num_tokens
+        self.tokenizer.no_truncation()  # a prompt is never cut short: it is refused when too long
+        self.tokenizer.no_padding()
+        self.max_num_tokens = None if enable_chunked_prefill else max_num_tokens
         self.max_seq_len = max_seq_len or getattr(self.model.config, "max_position_embeddings", None)
         self.end_ids = _end_ids(model, self.model.config)
         #: LLM arguments that shape GPU execution only (KV-cache sizing, CUDA graphs, scheduling, speculation).
@@ -299,8 +319,10 @@ class ReferenceLLM:
         params = sampling_params or SamplingParams()
         handle = RequestHandle(inputs, params, streaming, asyncio.get_running_loop())
         ids = self.tokenizer.encode(inputs, add_special_tokens=True).ids
-        if self.max_input_len and len(ids) > self.max_input_len:
-            raise ReferenceError(f"the prompt has {len(ids)} tokens, more than max_input_len {self.max_input_len}")
+        # the PyTorch backend's own checks (LLM._check_arguments; its tests match "should not exceed max_num_tokens")
+        if self.max_num_tokens and len(ids) > self.max_num_tokens:
+            raise ReferenceError(f"The sum of prompt length ({len(ids)}), query length (0) should not exceed "
+                                 f"max_num_tokens ({self.max_num_tokens})")
         if self.max_seq_len and len(ids) + params.max_tokens > self.max_seq_len:
             raise ReferenceError(f"the prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                  f"max_seq_len {self.max_seq_len}")
