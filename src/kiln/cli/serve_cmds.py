@@ -75,6 +75,14 @@ def serve(target, overrides, host, http_port, grpc_port, metrics_port, docker, b
         cmd = docker_command(repo, info, cfg)
         err.print("$ " + " ".join(cmd), markup=False)
         sys.exit(run_docker(cmd))
+    if info.get("layout") == "llmapi" and info.get("llmapi_runtime") == "tensorrt_llm":
+        import importlib.util
+
+        if importlib.util.find_spec("tensorrt_llm") is None:  # looked up, never imported
+            raise InputError(f"{repo} runs TensorRT-LLM's LLM API (target pytorch) and this environment has no "
+                             "tensorrt_llm: serve it with --docker (the NGC image in kiln.json), or "
+                             "deploy/<recipe>/launch.sh on a GPU host; to try it on this machine, package the recipe "
+                             "with --set serving.llmapi_runtime=reference (kiln's CPU test and development vehicle)")
     check_engine_here(repo, info)
     if background:
         sf = state_file_for(repo)
