@@ -80,3 +80,35 @@ def test_an_upstream_style_hub_model_is_a_warning_not_an_error(repo: Path) -> No
     findings = lint_repository(repo)
     assert not [f for f in findings if f.severity == "error"]
     assert any("is a hub id" in f.message for f in findings)
+
+
+def test_draft_target_decoding_ships_the_draft_checkpoint_and_names_it_in_both_configs(tmp_path: Path) -> None:
+    """Draft-target speculative decoding on target pytorch: the draft's unified checkpoint beside the target's, named
+    by speculative_config in model.yaml (relative) and in the trtllm-serve options (the container path)."""
+    import yaml
+
+    from kiln.triton.llmapi import check_llm_args
+    from kiln.triton.llmapi_repository import write_trtllm_serve_files
+
+    ckpts = {}
+    for name in ("unified", "draft"):
+        ckpts[name] = tmp_path / name
+        ckpts[name].mkdir()
+        (ckpts[name] / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    recipe = load_recipe(REPO_ROOT / "configs" / "speculative" / "target-llama-3.1-8b.yaml",
+                         ["target=pytorch", "serving.llmapi_runtime=tensorrt_llm"]).recipe
+    out = tmp_path / "repo"
+    out.mkdir()
+    info = write_llmapi_repository(recipe, ckpts["unified"], out, 8192, draft_checkpoint=ckpts["draft"])
+    version = out / "tensorrt_llm" / "1"
+    data = yaml.safe_load((version / "model.yaml").read_text())
+    assert data["speculative_config"] == {"decoding_type": "DraftTarget", "max_draft_len": 4,
+                                          "speculative_model_dir": "draft_checkpoint"}
+    assert (version / "draft_checkpoint" / "config.json").is_file()
+    assert not [f for f in lint_repository(out) if f.severity == "error"]
+    deploy = tmp_path / "deploy"
+    write_trtllm_serve_files(recipe, info, deploy)
+    options = yaml.safe_load((deploy / "trtllm-serve" / "llm_options.yaml").read_text())
+    assert options["speculative_config"]["speculative_model_dir"] == "/models/tensorrt_llm/1/draft_checkpoint"
+    assert check_llm_args({**options, "model": "x"}) == []
+    assert info["container"] and info["server_command"][0] == "tritonserver"
