@@ -201,3 +201,18 @@ def test_model_yaml_round_trips_through_yaml_with_its_types() -> None:
     data = llmapi.model_yaml(pytorch(*VARIANTS[1]), 512)
     loaded = yaml.safe_load(llmapi.dump_yaml(data, "# header"))
     assert loaded == data and check_model_yaml(copy.deepcopy(loaded)) == []
+
+
+@pytest.mark.parametrize("value, want", [("true", "true"), ("false", "false"), ("null", None)])
+def test_cuda_graphs_reach_both_gpu_targets(value: str, want) -> None:
+    """serving.cuda_graphs: cuda_graph_config on target pytorch, the tensorrtllm backend's cuda_graph_mode on
+    tensorrt (unset: each backend's own default)."""
+    from kiln.triton.repository import standin_engine_config, trtllm_config
+
+    args = llmapi.llm_args_for(pytorch(f"serving.cuda_graphs={value}"), "checkpoint", 512)
+    assert args.get("cuda_graph_config", "absent") == {"true": {"max_batch_size": 32, "enable_padding": True},
+                                                       "false": None, "null": "absent"}[value]
+    r = load_recipe(DEFAULT, ["target=tensorrt", f"serving.cuda_graphs={value}"]).recipe
+    config = trtllm_config(r, "tensorrt_llm", 512, standin_engine_config(r, 512))
+    got = config.parameters["cuda_graph_mode"].string_value if "cuda_graph_mode" in config.parameters else None
+    assert got == want

@@ -291,7 +291,9 @@ class Registry(_Frozen):
                     problems.append(f"{key}.engine_fake_quant: needed (trtllm-build quantizes these weights, and "
                                     "the engine runtime's quality gate must reproduce it)")
                 cuda += [engine_fq.source] if engine_fq else []
-                cuda += [fmt.unified.source] if getattr(fmt, "unified", None) else []
+                unified = getattr(fmt, "unified", None)
+                if unified is not None and unified.source not in self.sources:
+                    problems.append(f"{key}.unified: unknown source {unified.source!r}")
                 problems += [f"{key}.fake_quant_needs_cuda: unknown source {s!r}"
                              for s in cuda if s not in self.sources]
                 for target, sup in fmt.support.items():

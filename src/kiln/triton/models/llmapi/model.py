@@ -180,6 +180,9 @@ class TritonPythonModel:
             self.sampling_params = SamplingParams
             self._llm = LLM(**engine_args)
         elif self.runtime == "reference":
+            # Before torch loads its OpenMP runtime: idle OpenMP workers sleep instead of spinning (this model runs
+            # its own threads beside the stub's, often on few, shared cores).
+            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
             from kiln_llmapi_reference import ReferenceLLM
             from kiln_llmapi_reference import SamplingParams as ReferenceSamplingParams
 
