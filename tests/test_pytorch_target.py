@@ -312,3 +312,40 @@ def test_replay_of_upstreams_end_to_end_test_llmapi_over_http(unary_server, rest
         result = client.infer("tensorrt_llm", _replay_inputs(record, httpclient), outputs=asked,
                               request_id=record["request_id"])
         assert result.as_numpy("text_output")[0].decode("utf-8") == _expected(record, restored, cache)
+
+
+def test_cancellation_by_the_client_and_by_a_stop_request(server, greedy) -> None:
+    """A client that cancels its stream, and upstream's `stop` input naming a running request's id: the generation
+    is aborted, the request ends with Triton's CANCELLED error, and the server keeps serving."""
+    import time
+
+    import tritonclient.grpc as grpcclient
+
+    long = _inputs({"text_input": np.array([PROMPTS[0].encode()], dtype=object), "streaming": np.array([True]),
+                    "sampling_param_max_tokens": np.array([400], dtype=np.int32)})
+    for how in ("client", "stop"):
+        results: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(server.urls()["grpc"])
+        client.start_stream(callback=partial(lambda q, result, error: q.put((result, error)), results))
+        client.async_stream_infer("tensorrt_llm", long, request_id=f"cancel-{how}")
+        first, error = results.get(timeout=60)
+        assert error is None and first.as_numpy("text_output") is not None  # it is generating
+        if how == "client":
+            client.stop_stream(cancel_requests=True)
+        else:
+            stopper = _inputs({"text_input": np.array([b""], dtype=object), "stop": np.array([True])})
+            with pytest.raises(RuntimeError, match="Request cancelled by client"):
+                _stream(server.urls()["grpc"], stopper, request_id=f"cancel-{how}")
+            deadline = time.monotonic() + 30
+            while True:  # the running request ends with the cancellation, well before 400 tokens
+                result, error = results.get(timeout=max(1, deadline - time.monotonic()))
+                if error is not None:
+                    assert "cancelled" in str(error).lower()
+                    break
+            client.stop_stream()
+        client.close()
+    ok = generate(server, {"text_input": PROMPTS[0], "sampling_param_max_tokens": MAX_TOKENS})
+    assert ok.status_code == 200 and ok.json()["text_output"] == greedy[PROMPTS[0]]
+    log = server.log_tail(400)
+    assert "request 'cancel-client' cancelled: generation aborted" in log  # Triton's cancel reached the engine
+    assert "request 'cancel-stop' cancelled: generation aborted" in log

@@ -156,7 +156,10 @@ class TritonPythonModel:
         self.exclude_input = get_bool_param(self.model_config, "exclude_input_from_output", False)
         self.outputs = {out["name"]: out for out in self.model_config.get("output", [])}
         self.jobs = {}  # id -> job (dict): triton request, its response sender, the request output's abort
-        self.lock = threading.Lock()
+        # Guards self.jobs and every response send: a final response releases the request's response factory, and
+        # is_cancelled() on a released one crashes the server, so the cancellation poll and the sends exclude each
+        # other and the poll only asks jobs that have not sent their final response.
+        self.lock = threading.RLock()
         self.stopping = threading.Event()
         t0 = time.monotonic()
         self.loop = asyncio.new_event_loop()
@@ -243,13 +246,19 @@ class TritonPythonModel:
             final = None
             async for output in result:
                 final = output
-                if streaming and not output.finished and not self._cancelled(key):
-                    sender.send(self._response(output, switches), flags=0)
-            if final is not None and not self._cancelled(key):
+                if streaming and not output.finished:
+                    response = self._response(output, switches)
+                    with self.lock:
+                        if not self._cancelled(key):
+                            sender.send(response, flags=0)
+            if final is not None:
                 self._finish(key, sender, self._response(final, switches))
         except RequestError as err:
             self._finish(key, sender, self._error(str(err)))
-        except Exception as err:  # the engine refused or failed this request: say so, keep serving
+        except ValueError as err:  # the engine refused the request (a limit, a sampling value): say why, keep serving
+            pb_utils.Logger.log_warn(f"tensorrt_llm (llmapi): request refused: {err}")
+            self._finish(key, sender, self._error(f"error generating the request: {type(err).__name__}: {err}"))
+        except Exception as err:  # the engine failed this request: say so, keep serving
             pb_utils.Logger.log_error(f"tensorrt_llm (llmapi): {traceback.format_exc()}")
             self._finish(key, sender, self._error(f"error generating the request: {type(err).__name__}: {err}"))
         finally:
@@ -262,13 +271,14 @@ class TritonPythonModel:
             return job is not None and job["done"]
 
     def _finish(self, key, sender, response):
+        """Send the final response once (a cancellation may have sent it already)."""
         with self.lock:
             job = self.jobs.get(key)
             if job is not None:
                 if job["done"]:
                     return
                 job["done"] = True
-        sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _error(self, message, code=None):
         error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
@@ -323,7 +333,7 @@ class TritonPythonModel:
                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         with self.lock:
-            matches = [k for k, j in self.jobs.items() if j["request"].request_id() == triton_id]
+            matches = [k for k, j in self.jobs.items() if not j["done"] and j["request"].request_id() == triton_id]
         for key in matches:
             self._cancel(key)
         sender.send(self._error("Request cancelled by client", pb_utils.TritonError.CANCELLED),
@@ -332,22 +342,26 @@ class TritonPythonModel:
     def _cancel(self, key):
         with self.lock:
             job = self.jobs.get(key)
-        if job is None:
-            return
-        job["abort"]()
-        self._finish(key, job["sender"], self._error("Request cancelled by client", pb_utils.TritonError.CANCELLED))
+            if job is None or job["done"]:
+                return
+            job["abort"]()
+            pb_utils.Logger.log_info(f"tensorrt_llm (llmapi): request {job['request'].request_id()!r} cancelled: "
+                                     "generation aborted")
+            self._finish(key, job["sender"], self._error("Request cancelled by client",
+                                                         pb_utils.TritonError.CANCELLED))
 
     def _cancellation_loop(self):
         while not self.stopping.wait(self.check_period):
-            with self.lock:
-                jobs = list(self.jobs.items())
-            for key, job in jobs:
-                try:
-                    cancelled = job["request"].is_cancelled()
-                except Exception:
-                    cancelled = False
-                if cancelled and not job["done"]:
-                    self._cancel(key)
+            with self.lock:  # no final response can be sent while the poll asks (see self.lock)
+                for key, job in list(self.jobs.items()):
+                    if job["done"]:
+                        continue
+                    try:
+                        cancelled = job["request"].is_cancelled()
+                    except Exception:
+                        cancelled = False
+                    if cancelled:
+                        self._cancel(key)
 
     def finalize(self):
         self.stopping.set()
