@@ -216,3 +216,16 @@ def test_cuda_graphs_reach_both_gpu_targets(value: str, want) -> None:
     config = trtllm_config(r, "tensorrt_llm", 512, standin_engine_config(r, 512))
     got = config.parameters["cuda_graph_mode"].string_value if "cuda_graph_mode" in config.parameters else None
     assert got == want
+
+
+def test_pytorch_quantizes_in_the_engine_runtime_only_on_a_gpu_host_and_only_what_calibrates(monkeypatch) -> None:
+    from kiln.recipe import schema
+
+    monkeypatch.setattr(schema, "gpu_here", lambda: True)
+    assert schema.quantization_runtime(pytorch()) == "engine"
+    assert schema.quantization_runtime(pytorch("quantization.format=none")) == "host"  # nothing to calibrate
+    assert schema.quantization_runtime(pytorch("quantization.format=none", "quantization.kv_cache=fp8")) == "engine"
+    assert schema.llmapi_runtime(pytorch()) == "tensorrt_llm"
+    monkeypatch.setattr(schema, "gpu_here", lambda: False)
+    assert schema.quantization_runtime(pytorch()) == "host" and schema.llmapi_runtime(pytorch()) == "reference"
+    assert schema.llmapi_runtime(pytorch("parallelism.tp=2")) == "tensorrt_llm"  # the reference runs one process

@@ -465,7 +465,9 @@ def quantization_runtime(recipe: Recipe) -> Literal["engine", "host"]:
     if q != "auto":
         return q
     if recipe.target == "pytorch":
-        return "engine" if gpu_here() else "host"
+        nothing = (_REGISTRY.weight_formats[recipe.quantization.format].modelopt_config is None
+                   and _REGISTRY.kv_cache_formats[recipe.quantization.kv_cache].modelopt_config is None)
+        return "engine" if gpu_here() and not nothing else "host"  # nothing to calibrate: a plain export
     return "engine" if recipe.target == "tensorrt" else "host"
 
 
