@@ -287,11 +287,12 @@ def _registry_text(edit: str = "") -> str:
      "    trtllm_kv_cache_dtype: null\n    bytes_per_element: 1\n    support: {tensorrt: {}}\n",
      "kv_cache_formats.extra.support: no entry for target 'reference'"),
     ("  extra:\n    label: x\n    modelopt_config: null\n    kv_cache_quant_algo: FP16\n"
-     "    trtllm_kv_cache_dtype: null\n    bytes_per_element: 1\n    support: {tensorrt: {}, reference: {}}\n",
+     "    trtllm_kv_cache_dtype: null\n    bytes_per_element: 1\n"
+     "    support: {tensorrt: {}, pytorch: {}, reference: {}}\n",
      "kv_cache_formats.extra.kv_cache_quant_algo: 'FP16' is not one TensorRT-LLM 1.2.1 accepts"),
     ("  extra:\n    label: x\n    modelopt_config: null\n    kv_cache_quant_algo: null\n    gentler: [fp16]\n"
      "    trtllm_kv_cache_dtype: null\n    bytes_per_element: 1\n    support:\n      tensorrt:\n"
-     "        min_sm: {sm: 90, source: my-blog, note: x}\n      reference: {}\n",
+     "        min_sm: {sm: 90, source: my-blog, note: x}\n      pytorch: {}\n      reference: {}\n",
      "kv_cache_formats.extra.gentler: unknown format 'fp16'; kv_cache_formats.extra.support.tensorrt: unknown source"),
 ])
 def test_bad_registry_entries_are_refused_with_their_key(edit: str, message: str) -> None:
@@ -320,6 +321,7 @@ NEW_FORMAT = """
             by: trtllm-build 1.2.1
             why: "builder.build() raises 'Per-channel or per-token scaling is not supported on SM>=100.'"
             source: trtllm-builder
+      pytorch: {}
       reference: {}
 """
 

@@ -98,6 +98,14 @@ def _run_build(recipe: str, overrides, strict, from_step, to_step, force, dry_ru
                                                    for o in summary.outcomes):
         err.print("note: target 'reference' serves the quantized model with PyTorch on CPU — a test and "
                   "development vehicle with the tensorrt_llm tensor contract, not the fast path.", style="dim")
+    packaged = any(o.name == "package" and o.status == Status.RAN for o in summary.outcomes)
+    if loaded.recipe.target == "pytorch" and packaged:
+        from kiln.recipe.schema import llmapi_runtime
+
+        if llmapi_runtime(loaded.recipe) == "reference":
+            err.print("note: target 'pytorch' on a machine without a GPU: the llmapi model is served by kiln's CPU "
+                      "reference runtime (a test and development vehicle); package with serving.llmapi_runtime: "
+                      "tensorrt_llm (or on a GPU host) for TensorRT-LLM's LLM API.", style="dim")
 
 
 @cli.command()

@@ -93,6 +93,8 @@ def validate(recipe: str, overrides: tuple[str, ...], strict: bool) -> None:
     whether the model fits the named GPU."""
     from kiln.steps.resolve import fit_warnings
 
+    if any(o.split("=", 1)[0].strip() == "target" for o in overrides):
+        _show_move(recipe, overrides)
     loaded = load(recipe, overrides, strict)
     fit = fit_warnings(loaded)
     print_problems(fit)
@@ -102,6 +104,20 @@ def validate(recipe: str, overrides: tuple[str, ...], strict: bool) -> None:
     suffix = f" ({n} warning{'s' if n != 1 else ''})" if n else ""
     out.print(f"{loaded.path}: ok — {loaded.recipe.name}, target {loaded.recipe.target}, "
               f"format {loaded.recipe.quantization.format}{suffix}", markup=False)
+
+
+def _show_move(recipe: str, overrides: tuple[str, ...]) -> None:
+    """`--set target=pytorch`: what carries over, changes and is refused (before the usual validation, whose errors
+    then give each refusal's reason and alternatives)."""
+    try:
+        moved = load_recipe(resolve_recipe_path(recipe), overrides, check_rules=False).recipe
+    except (RecipeError, KilnError):
+        return  # the usual validation below reports it
+    if moved.target == "pytorch":
+        from kiln.triton.llmapi_migrate import migration_view
+
+        for line in migration_view(moved):
+            out.print(line, markup=False)
 
 
 @cli.command()

@@ -38,6 +38,12 @@ def _prepare(target: str, overrides, build_dir: Path, repo_dir: Path):
     if loaded.recipe.target == "reference":
         err.print("note: target 'reference' serves the quantized model with PyTorch on CPU — a test and "
                   "development vehicle, not the fast path.", style="dim")
+    if loaded.recipe.target == "pytorch":
+        from kiln.recipe.schema import llmapi_runtime
+
+        if llmapi_runtime(loaded.recipe) == "reference":
+            err.print("note: target 'pytorch' without a GPU here: kiln's CPU reference runtime serves the llmapi "
+                      "model — a test and development vehicle, not the fast path.", style="dim")
     return repo_dir / loaded.recipe.name, loaded.recipe.serving, loaded
 
 
@@ -80,6 +86,14 @@ def serve(target, overrides, host, http_port, grpc_port, metrics_port, docker, b
         cmd = docker_command(repo, info, cfg)
         err.print("$ " + " ".join(cmd), markup=False)
         sys.exit(run_docker(cmd))
+    if info.get("layout") == "llmapi" and info.get("llmapi_runtime") == "tensorrt_llm":
+        import importlib.util
+
+        if importlib.util.find_spec("tensorrt_llm") is None:  # looked up, never imported
+            raise InputError(f"{repo} runs TensorRT-LLM's LLM API (target pytorch) and this environment has no "
+                             "tensorrt_llm: serve it with --docker (the NGC image in kiln.json), or "
+                             "deploy/<recipe>/launch.sh on a GPU host; to try it on this machine, package the recipe "
+                             "with --set serving.llmapi_runtime=reference (kiln's CPU test and development vehicle)")
     check_engine_here(repo, info)
     if background:
         sf = state_file_for(repo)
@@ -101,7 +115,9 @@ def serve(target, overrides, host, http_port, grpc_port, metrics_port, docker, b
 def _announce(state: dict, background: bool) -> None:
     urls = state["urls"]
     out.print(f"ready: {state['repo']}  (started in {state.get('startup_s') or 0:.1f}s)", markup=False)
-    out.print(f"  http    {urls['http']}   (POST {urls['http']}/v2/models/ensemble/generate)", markup=False)
+    llmapi = (Path(state["repo"]) / "tensorrt_llm" / "1" / "model.yaml").is_file()  # target pytorch's layout
+    model = "tensorrt_llm" if llmapi else "ensemble"
+    out.print(f"  http    {urls['http']}   (POST {urls['http']}/v2/models/{model}/generate)", markup=False)
     out.print(f"  grpc    {urls['grpc']}", markup=False)
     out.print(f"  metrics {urls['metrics']}", markup=False)
     if "openai" in urls:

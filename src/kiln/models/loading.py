@@ -325,6 +325,17 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:
     return tokenizer
 
 
+def save_tokenizer(tokenizer: Any, path: Path | str) -> None:
+    """``save_pretrained`` without the truncation and padding a fast tokenizer keeps from its last call (kiln's
+    calibration tokenizes with ``truncation=True, max_length=…``, and tokenizer.json would otherwise tell every
+    ``tokenizers`` user to cut prompts at the calibration length)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        backend.no_truncation()
+        backend.no_padding()
+    tokenizer.save_pretrained(str(path))
+
+
 # --------------------------------------------------------------------------------------------- hashing
 
 

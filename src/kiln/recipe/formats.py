@@ -149,6 +149,24 @@ class EngineFakeQuant(_Frozen):
     source: str
 
 
+class UnifiedLayout(_Frozen):
+    """How ModelOpt's unified Hugging Face checkpoint stores a weight format's linear layers (target pytorch), for
+    kiln's CPU reference runtime: the weight encoding, an FP8 activation step (input_scale), an FP8 step of the
+    dequantized weight (weight_scale_2)."""
+
+    weights: Literal["fp8", "int4_packed"]
+    activations: Optional[Literal["fp8"]] = None
+    weight_fp8_step: bool = False
+    source: str
+
+
+class UnifiedKV(_Frozen):
+    """How the unified checkpoint's KV cache rounds keys and values (k_scale / v_scale)."""
+
+    rounding: Literal["fp8"]
+    source: str
+
+
 class _Format(_Frozen):
     name: str = ""
     label: str
@@ -170,6 +188,7 @@ class WeightFormat(_Format):
     trtllm_quantizes_weights: bool = False
     engine_fake_quant: Optional[EngineFakeQuant] = None
     fp8_context_fmha: bool = False
+    unified: Optional[UnifiedLayout] = None
 
     @property
     def uses_awq_block_size(self) -> bool:
@@ -213,6 +232,7 @@ class KVCacheFormat(_Format):
     trtllm_kv_cache_dtype: Optional[str]
     bytes_per_element: Optional[int]
     disables_paged_context_fmha: bool = False
+    unified: Optional[UnifiedKV] = None
 
 
 class QuantAlgos(_Frozen):
@@ -271,6 +291,9 @@ class Registry(_Frozen):
                     problems.append(f"{key}.engine_fake_quant: needed (trtllm-build quantizes these weights, and "
                                     "the engine runtime's quality gate must reproduce it)")
                 cuda += [engine_fq.source] if engine_fq else []
+                unified = getattr(fmt, "unified", None)
+                if unified is not None and unified.source not in self.sources:
+                    problems.append(f"{key}.unified: unknown source {unified.source!r}")
                 problems += [f"{key}.fake_quant_needs_cuda: unknown source {s!r}"
                              for s in cuda if s not in self.sources]
                 for target, sup in fmt.support.items():
@@ -461,10 +484,15 @@ def _refusal(table: Mapping[str, _Format], kind: str, name: str, target_name: st
     on = (f"{gpu_name} on {target_name}" if gpu_name else f"SM {sm} on {target_name}" if sm is not None
           else f"the {target_name} target")
     hint = f"use {kind}: {options[0]} instead ({on} runs {', '.join(here)})" if options else ""
-    if target(target_name).device == "cuda":
+    if target(target_name).device == "cuda" and fmt.support[target_name].unsupported is None:
         weight, kv = (name, "none") if kind == "quantization.format" else ("none", name)
         gpus = gpus_that_run(target_name, weight, kv)
         hint += f", or a GPU that runs {name}: {', '.join(gpus) if gpus else 'none in kiln GPU table'}"
+    elif target(target_name).device == "cuda":  # no GPU helps: name the targets that do run it
+        others = [t for t in registry().targets if t != target_name and fmt.support[t].unsupported is None
+                  and registry().targets[t].device == "cuda"]
+        if others:
+            hint += f", or target: {' / '.join(others)}"
     else:
         others = [t for t in registry().targets if t != target_name and fmt.support[t].unsupported is None
                   and (registry().targets[t].device == "cuda" or fmt.fake_quant_needs_cuda is None)]

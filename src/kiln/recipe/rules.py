@@ -60,6 +60,50 @@ def reference_target_limits(r: Recipe) -> Iterator[Problem]:
     if r.target == "reference" and r.parallelism.tp * r.parallelism.pp > 1:
         yield err("parallelism", "the reference target runs one CPU process (tp = pp = 1)",
                   "set parallelism.tp: 1 and parallelism.pp: 1, or target: tensorrt")
+    if r.target == "pytorch" and r.serving.llmapi_runtime == "reference" and r.parallelism.tp * r.parallelism.pp > 1:
+        yield err("serving.llmapi_runtime", "the CPU reference runtime of the llmapi model runs one process "
+                  "(tp = pp = 1)", "set serving.llmapi_runtime: tensorrt_llm (or auto), or tp and pp to 1")
+    if r.serving.cuda_graphs and (r.target == "reference" or (r.target == "pytorch"
+                                                               and r.serving.llmapi_runtime == "reference")):
+        yield warn("serving.cuda_graphs", "the reference runtimes run on the CPU: CUDA graphs have no effect there")
+
+
+#: Recipe values TensorRT-LLM's PyTorch backend (target pytorch) needs: dotted key → (the value, why).
+PYTORCH_REQUIRES: dict[str, tuple[object, str]] = {
+    "serving.batching": ("inflight_fused", "the PyTorch backend only batches in flight (there is no static v1 "
+                         "batching)"),
+    "engine.kv_cache_type": ("paged", "the PyTorch backend's KV cache is always paged"),
+    "serving.gpu_device_ids": (None, "the LLM API uses every GPU the process sees: choose them with "
+                               "CUDA_VISIBLE_DEVICES where the server starts"),
+    "serving.add_special_tokens": (True, "the LLM API's tokenizer adds the special tokens; the llmapi model has no "
+                                   "switch for it"),
+    "serving.skip_special_tokens": (True, "the LLM API's detokenizer skips the special tokens; the llmapi model has "
+                                    "no switch for it"),
+}
+
+
+def _value(r: Recipe, dotted: str) -> object:
+    node: object = r
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+@rule
+def pytorch_backend(r: Recipe) -> Iterator[Problem]:
+    """What TensorRT-LLM's PyTorch backend (target pytorch) does not have: static batching, a non-paged KV cache,
+    per-model GPU lists and special-token switches, and serving across nodes from kiln's deploy files."""
+    if r.target != "pytorch":
+        return
+    for key, (value, why) in PYTORCH_REQUIRES.items():
+        if _value(r, key) != value:
+            yield err(key, why, f"set {key}: {'empty' if value is None else str(value).lower()} (or target: tensorrt)")
+    ranks = r.parallelism.tp * r.parallelism.pp
+    if ranks > r.hardware.gpus_per_node:
+        yield err("parallelism", f"tp × pp = {ranks} spans several nodes (hardware.gpus_per_node "
+                  f"{r.hardware.gpus_per_node}): kiln packages the llmapi model for one node, where the LLM API "
+                  "spawns its ranks itself", "fit tp × pp on one node, or use target: tensorrt for multi-node "
+                  "serving")
 
 
 @rule
@@ -105,8 +149,8 @@ def kv_features(r: Recipe) -> Iterator[Problem]:
     kv = kv_cache_format(r.quantization.kv_cache)
     keeps_fmha = ", ".join(n for n in kv_cache_format_names() if not kv_cache_format(n).disables_paged_context_fmha)
     no_paged_ctx = kv.disables_paged_context_fmha
-    for key, on in (("serving.enable_kv_cache_reuse", s.enable_kv_cache_reuse),
-                    ("serving.enable_chunked_context", s.enable_chunked_context)):
+    for key, on in ((("serving.enable_kv_cache_reuse", s.enable_kv_cache_reuse),
+                     ("serving.enable_chunked_context", s.enable_chunked_context)) if r.target != "pytorch" else ()):
         what = key.split(".")[1]
         if on and (not b.use_paged_context_fmha or not b.context_fmha or not paged):
             yield err(key, f"{what} needs paged context FMHA over a paged KV cache",
@@ -119,7 +163,7 @@ def kv_features(r: Recipe) -> Iterator[Problem]:
         yield warn("engine.use_paged_context_fmha", "TensorRT-LLM silently disables paged context FMHA with an "
                    f"{kv.label} (no KV reuse, no chunked context)",
                    f"use a quantization.kv_cache that keeps it ({keeps_fmha}), or accept it")
-    if b.use_fp8_context_fmha and not weight_format(r.quantization.format).fp8_context_fmha:
+    if b.use_fp8_context_fmha and not weight_format(r.quantization.format).fp8_context_fmha and r.target != "pytorch":
         yield warn("engine.use_fp8_context_fmha", "FP8 context FMHA only takes effect with an FP8 format "
                    f"(format is {r.quantization.format})", "set engine.use_fp8_context_fmha: false")
     if r.target == "reference" and r.quantization.kv_cache != "none":
@@ -152,9 +196,22 @@ def speculative(r: Recipe) -> Iterator[Problem]:
     if sp.mode in ("medusa", "eagle", "lookahead_decoding", "explicit_draft_tokens") and r.target == "reference":
         yield err("engine.speculative.mode", f"{sp.mode} needs its own trained heads in a TensorRT-LLM engine; "
                   "the reference target supports only draft_tokens_external")
-    if sp.mode == "draft_tokens_external" and not r.engine.use_paged_context_fmha:
+    if sp.mode in ("ngram", "mtp") and r.target != "pytorch":
+        yield err("engine.speculative.mode", f"{sp.mode} is a mode of TensorRT-LLM's PyTorch backend only",
+                  "set target: pytorch, or another engine.speculative.mode")
+    if sp.mode in ("medusa", "lookahead_decoding", "explicit_draft_tokens") and r.target == "pytorch":
+        yield err("engine.speculative.mode", f"TensorRT-LLM 1.2.1's PyTorch backend does not run {sp.mode} (the "
+                  "LLM API's config for it supports the TensorRT backend only)",
+                  "use draft_tokens_external, eagle (EAGLE3), ngram or mtp, or target: tensorrt")
+    if sp.mode == "eagle" and r.target == "pytorch" and not sp.draft_model:
+        yield err("engine.speculative.draft_model", "eagle on the pytorch target needs the EAGLE3 draft head",
+                  "set engine.speculative.draft_model: <directory or hf:org/name of the EAGLE3 head>")
+    if sp.draft_model and not (sp.mode == "eagle" and r.target == "pytorch"):
+        yield err("engine.speculative.draft_model", "draft_model is the EAGLE3 head of mode eagle on target pytorch",
+                  "remove it, or set engine.speculative.mode: eagle and target: pytorch")
+    if sp.mode == "draft_tokens_external" and not r.engine.use_paged_context_fmha and r.target != "pytorch":
         yield err("engine.use_paged_context_fmha", "draft_tokens_external needs paged context FMHA")
-    if r.engine.max_seq_len is not None and sp.max_draft_len:
+    if r.engine.max_seq_len is not None and sp.max_draft_len and r.target != "pytorch":
         yield warn("engine.max_seq_len", f"TensorRT-LLM adds max_draft_len ({sp.max_draft_len}) to max_seq_len "
                    f"(engine max_seq_len will be {r.engine.max_seq_len + sp.max_draft_len})")
 

@@ -7,6 +7,7 @@ from them. Cross-field rules (formats vs GPU, limits that must agree) live in :m
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Annotated, Literal, Optional
 
@@ -155,7 +156,9 @@ class QuantizationSection(Section):
     own ModelOpt integration, on the GPU — the checkpoint `trtllm-build` reads then comes from the ModelOpt that
     TensorRT-LLM was made with, and evaluation runs there too. `host`: in kiln's own environment (its ModelOpt,
     on this machine's CPU or GPU) — the reference target's path, and the way to calibrate and gate a tensorrt
-    recipe on a machine without a GPU. `auto`: `engine` for target tensorrt, `host` for reference."""
+    recipe on a machine without a GPU. `auto`: `engine` for target tensorrt, `host` for reference, and for
+    pytorch `engine` on a machine with a GPU (the unified checkpoint comes from the image's ModelOpt) and `host`
+    elsewhere (kiln's ModelOpt on the CPU; the manifest records which ModelOpt made it)."""
 
 
 class EvaluationSection(DataSource):
@@ -190,20 +193,31 @@ class ParallelismSection(Section):
 
 
 SpeculativeMode = Literal[
-    "none", "draft_tokens_external", "medusa", "eagle", "lookahead_decoding", "explicit_draft_tokens"
+    "none", "draft_tokens_external", "medusa", "eagle", "lookahead_decoding", "explicit_draft_tokens", "ngram", "mtp"
 ]
 
 
 class SpeculativeSection(Section):
     mode: SpeculativeMode = "none"
     """Speculative decoding mode (trtllm-build `--speculative_decoding_mode`). `draft_tokens_external` is
-    draft+target decoding driven by the BLS model with a separate draft recipe."""
+    draft+target decoding driven by the BLS model with a separate draft recipe (target pytorch: the LLM argument
+    speculative_config DraftTarget). Target pytorch also runs `eagle` (EAGLE3, with `draft_model`), `ngram` and
+    `mtp` (models with multi-token-prediction layers), and not medusa, lookahead_decoding or explicit_draft_tokens;
+    `ngram` and `mtp` are pytorch-only."""
 
     max_draft_len: Annotated[int, Field(ge=0, le=1024)] = 0
     """Most draft tokens verified per step (`--max_draft_len`); added to max_seq_len by upstream."""
 
     draft_recipe: Optional[str] = None
     """Recipe of the draft model (path), for `draft_tokens_external`."""
+
+    draft_model: Optional[str] = None
+    """Target pytorch, mode `eagle`: the EAGLE3 draft head (a local Hugging Face directory or hf:org/name), the
+    LLM argument speculative_config.speculative_model_dir."""
+
+    max_matching_ngram_size: Annotated[int, Field(ge=1, le=64)] = 2
+    """Mode `ngram` (target pytorch): the longest suffix of the sequence matched against earlier text to propose
+    draft tokens (NGramDecodingConfig.max_matching_ngram_size)."""
 
 
 class EngineSection(Section):
@@ -303,6 +317,18 @@ class ServingSection(Section):
 
     skip_special_tokens: bool = True
     """Drop special tokens from returned text."""
+
+    cuda_graphs: Optional[bool] = None
+    """CUDA graphs for the generation step. Target pytorch: the LLM argument cuda_graph_config (TensorRT-LLM's
+    default: on, padded batch sizes up to min(engine.max_batch_size, 128)); false turns them off. Target tensorrt:
+    the tensorrtllm backend's cuda_graph_mode (its default: off). Empty: each backend's default. The reference
+    runtimes run on the CPU: there it has no effect (`kiln validate` warns)."""
+
+    llmapi_runtime: Literal["auto", "tensorrt_llm", "reference"] = "auto"
+    """Target pytorch: what runs the Triton `tensorrt_llm` (llmapi) model. `tensorrt_llm`: TensorRT-LLM's LLM API
+    (PyTorch backend) on the GPU, in the NGC image. `reference`: kiln's CPU runtime for the same tensor contract and
+    the same unified checkpoint, a test and development vehicle, not a fast path. `auto`: tensorrt_llm when this
+    machine has an NVIDIA GPU (or tp × pp > 1), else reference."""
 
     cpu_threads: Optional[Annotated[int, Field(ge=1, le=1024)]] = None
     """Reference target only: torch threads for the CPU runtime. Empty: the machine's cores."""
@@ -449,7 +475,9 @@ class Recipe(Section):
     """Multi-GPU split."""
 
     engine: EngineSection = EngineSection()
-    """Engine limits and features (what `trtllm-build` compiles in, and what the reference runtime runs with)."""
+    """Engine limits and features: what `trtllm-build` compiles in (target tensorrt), the LLM arguments of the
+    PyTorch backend (target pytorch: the limits, tokens_per_block and speculative decoding carry over; the
+    build-time plugin flags have no equivalent there), and what the reference runtimes run with."""
 
     serving: ServingSection = ServingSection()
     """Triton serving settings."""
@@ -478,9 +506,33 @@ SECTIONS: tuple[str, ...] = tuple(Recipe.model_fields)
 RENAMED_KEYS: dict[str, str] = {"build": "engine"}
 
 
+@functools.cache
+def gpu_here() -> bool:
+    """Whether this machine has an NVIDIA GPU (``nvidia-smi`` lists one); asked once per process."""
+    from kiln.recipe.gpus import detected_gpu_names
+
+    return bool(detected_gpu_names())
+
+
 def quantization_runtime(recipe: Recipe) -> Literal["engine", "host"]:
-    """Where the recipe's calibration and export run (``quantization.runtime`` with `auto` resolved)."""
+    """Where the recipe's calibration and export run (``quantization.runtime`` with `auto` resolved): the engine
+    runtime for target tensorrt, the host for reference, and for pytorch the engine runtime on a machine with a GPU
+    (the image's ModelOpt, which matches its TensorRT-LLM) and the host elsewhere (kiln's ModelOpt, the CPU path)."""
     q = recipe.quantization.runtime
     if q != "auto":
         return q
+    if recipe.target == "pytorch":
+        nothing = (_REGISTRY.weight_formats[recipe.quantization.format].modelopt_config is None
+                   and _REGISTRY.kv_cache_formats[recipe.quantization.kv_cache].modelopt_config is None)
+        return "engine" if gpu_here() and not nothing else "host"  # nothing to calibrate: a plain export
     return "engine" if recipe.target == "tensorrt" else "host"
+
+
+def llmapi_runtime(recipe: Recipe) -> Literal["tensorrt_llm", "reference"]:
+    """Target pytorch: what runs the llmapi model (``serving.llmapi_runtime`` with `auto` resolved on this machine)."""
+    value = recipe.serving.llmapi_runtime
+    if value != "auto":
+        return value
+    if recipe.parallelism.tp * recipe.parallelism.pp > 1:
+        return "tensorrt_llm"  # the reference runs one process: a multi-GPU recipe is packaged for its GPUs
+    return "tensorrt_llm" if gpu_here() else "reference"

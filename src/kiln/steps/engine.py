@@ -10,8 +10,8 @@ back against the recipe. The versions, the image and its digest go into the mani
 Whether this machine can run the build at all (a GPU, its architecture, the container engine and image, disk)
 is checked for every step of a run before any work (:mod:`kiln.pipeline.preflight`).
 
-For `target: reference` there is no engine: the step records that the CPU reference runtime will serve the
-quantized checkpoint.
+For `target: reference` and `target: pytorch` there is no engine: the step records that the CPU reference runtime,
+or TensorRT-LLM's PyTorch backend loading the unified checkpoint, will serve the quantized model.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ __all__ = ["ENGINE_SUBDIR", "EngineResult", "SPEC", "build_engine", "describe", 
 REFERENCE_NOTE = ("target 'reference': no engine is compiled; the CPU reference runtime (PyTorch in a Triton "
                   "Python model, tensorrt_llm tensor contract) serves the quantized checkpoint — a test and "
                   "development vehicle, not the fast path")
+PYTORCH_NOTE = ("target 'pytorch': no engine is compiled; TensorRT-LLM's PyTorch backend loads the unified Hugging "
+                "Face checkpoint (quantize's unified_checkpoint/) when the server starts")
 
 
 class EngineResult(StepResult):
@@ -42,7 +44,7 @@ class EngineResult(StepResult):
     engine runtime (an engine only loads in a container with the same TensorRT-LLM and TensorRT), the image and
     its digest (when the container engine can tell), and the exact build command."""
 
-    runtime: Literal["reference", "tensorrt"]
+    runtime: Literal["reference", "tensorrt", "pytorch"]
     tensorrt_llm: Optional[str] = None
     tensorrt: Optional[str] = None
     built_in: Optional[str] = None
@@ -58,6 +60,10 @@ def build_engine(ctx: StepContext) -> EngineResult:
         (ctx.out_dir / "engine.json").write_text(json.dumps({"runtime": "reference", "note": REFERENCE_NOTE}, indent=2))
         return EngineResult(summary="no engine (reference target: the CPU reference runtime serves the checkpoint)",
                             runtime="reference")
+    if r.target == "pytorch":
+        (ctx.out_dir / "engine.json").write_text(json.dumps({"runtime": "pytorch", "note": PYTORCH_NOTE}, indent=2))
+        return EngineResult(summary="no engine (pytorch target: the PyTorch backend loads the unified checkpoint)",
+                            runtime="pytorch")
     rt = engine_runtime_for(r, ctx.build_root)
     logs = ctx.out_dir / "logs"
     with ctx.status(f"reading the versions in {rt.describe()}"):
@@ -104,6 +110,8 @@ def describe(loaded: LoadedRecipe, build_root: Path = Path("build")) -> list[str
     r = loaded.recipe
     if r.target == "reference":
         return [REFERENCE_NOTE]
+    if r.target == "pytorch":
+        return [PYTORCH_NOTE]
     rt = engine_runtime_for(r, build_root)
     base = build_root / r.name
     job = engine_job(r, engine_mounts(base / "quantize" / TRTLLM_DIR, base / "engine"))

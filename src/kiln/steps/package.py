@@ -1,5 +1,6 @@
 """Package: a complete, linted Triton model repository (`triton_repo/<recipe>/`) and deployment files
-(`deploy/<recipe>/`) for the recipe."""
+(`deploy/<recipe>/`) for the recipe. Target pytorch gets Triton's llmapi layout (kiln.triton.llmapi_repository)
+and the trtllm-serve files beside its deploy files."""
 
 from __future__ import annotations
 
@@ -80,6 +81,8 @@ def package(ctx: StepContext) -> PackageResult:
     r = ctx.recipe
     quantize_dir, build_dir = ctx.inputs["quantize"], ctx.inputs["engine"]
     max_seq_len = int(ctx.result(ResolveResult).max_seq_len or r.engine.max_seq_len or r.engine.max_input_len)
+    if r.target == "pytorch":
+        return _package_llmapi(ctx, quantize_dir, max_seq_len)
     engine = ctx.result(EngineResult)
     versions = {k: v for k, v in (("tensorrt_llm", engine.tensorrt_llm), ("tensorrt", engine.tensorrt)) if v}
     quality = ctx.result(EvaluateResult)
@@ -134,6 +137,53 @@ def _write_deploy(ctx: StepContext, info: dict, placement: Optional[Placement]) 
     return final
 
 
+def _package_llmapi(ctx: StepContext, quantize_dir: Path, max_seq_len: int) -> PackageResult:
+    """Target pytorch: the llmapi repository, linted, and (for the GPU runtime) deploy and trtllm-serve files."""
+    from kiln.recipe.schema import llmapi_runtime
+    from kiln.steps.quantize import QuantizeResult
+    from kiln.steps.runtime_jobs import UNIFIED_DIR
+    from kiln.triton.llmapi_repository import write_llmapi_repository, write_trtllm_serve_files
+
+    r = ctx.recipe
+    draft_loaded = _draft_loaded(ctx)
+    draft = None
+    if draft_loaded is not None:
+        d = draft_loaded.recipe
+        draft = ctx.inputs["quantize"].parent.parent / d.name / "quantize" / UNIFIED_DIR
+        if d.target != "pytorch" or not (draft / "config.json").is_file():
+            raise InputError(f"engine.speculative.draft_recipe: the draft model {d.name} needs its unified checkpoint: "
+                             f"build it with target: pytorch first (`kiln build {draft_loaded.path} --set "
+                             "target=pytorch --to quantize`)")
+    produced = ctx.result(QuantizeResult).produced_by
+    with ctx.status("writing the Triton llmapi repository"):
+        quality = ctx.result(EvaluateResult).figures() or None
+        info = write_llmapi_repository(r, quantize_dir / UNIFIED_DIR, ctx.out_dir, max_seq_len, final=ctx.final_dir,
+                                       fingerprint=ctx.fingerprint, quality=quality,
+                                       draft_checkpoint=draft, image=r.engine_runtime.image,
+                                       image_digest=produced.get("image_digest"))
+    findings = lint_repository(ctx.out_dir)
+    errors = [f for f in findings if f.severity == "error"]
+    if errors:
+        raise KilnError("the packaged repository fails kiln lint:\n  " + "\n  ".join(f.format() for f in errors))
+    deploy = None
+    if llmapi_runtime(r) == "tensorrt_llm" and ctx.final_dir is not None:
+        from kiln.triton.deploy import DeployInfo, validate_manifests, write_deploy_files
+
+        deploy = deploy_dir_for(ctx.final_dir)
+        with atomic_dir(deploy) as tmp:
+            written = write_deploy_files(DeployInfo.from_recipe(
+                r, info["container"], hub_token_secret="hf-token" if r.model.source.startswith(HF_PREFIX) else None),
+                tmp, model_repo=ctx.final_dir)
+            problems = validate_manifests([p for p in written if p.suffix in (".yaml", ".yml") and "k8s" in p.parts])
+            if problems:
+                raise KilnError("generated Kubernetes manifests do not validate:\n  " + "\n  ".join(problems))
+            write_trtllm_serve_files(r, info, tmp)
+    where = (f"container {info['container']}" if info["container"] else
+             "CPU reference runtime (a test and development vehicle)")
+    return PackageResult(summary=f"llmapi repository (1 model), lint clean, {where}", models=1,
+                         container=info["container"] or "", deploy=str(deploy) if deploy else "")
+
+
 def _gpus_used(placement: Optional[Placement]) -> int:
     if placement is None:
         return 0
@@ -154,6 +204,10 @@ def _sources_hash(loaded: LoadedRecipe) -> dict[str, str]:
 
     h.update(check_engine_script().read_bytes())
     hashes = {"triton_models": h.hexdigest()}
+    if loaded is not None and loaded.recipe.target == "pytorch":
+        from kiln.recipe.schema import llmapi_runtime
+
+        hashes["llmapi_runtime"] = llmapi_runtime(loaded.recipe)  # `auto` depends on this machine
     ref = loaded.recipe.engine.speculative.draft_recipe if loaded is not None else None
     if ref and loaded.recipe.engine.speculative.mode == "draft_tokens_external":
         base = loaded.path.parent if loaded.path else Path(".")
@@ -173,7 +227,10 @@ def _output_dir(loaded: LoadedRecipe, repo_root: Path) -> Path:
 
 
 def required_files(recipe: Recipe) -> tuple[str, ...]:
-    """kiln.json and every model's config.pbtxt (the draft model's too for draft+target decoding)."""
+    """kiln.json and every model's config.pbtxt (the draft model's too for draft+target decoding); target pytorch:
+    the llmapi model's config.pbtxt, model.yaml and model.py."""
+    if recipe.target == "pytorch":
+        return ("kiln.json", "tensorrt_llm/config.pbtxt", "tensorrt_llm/1/model.yaml", "tensorrt_llm/1/model.py")
     models = ["preprocessing", "tensorrt_llm", "postprocessing", "ensemble", "tensorrt_llm_bls"]
     if recipe.engine.speculative.mode == "draft_tokens_external" and recipe.engine.speculative.draft_recipe:
         models.append("tensorrt_llm_draft")

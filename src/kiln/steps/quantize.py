@@ -13,7 +13,10 @@ Upstream's path (TensorRT-LLM ``examples/quantization/quantize.py``), with kiln'
    that consumers can verify this);
 5. ``target: tensorrt``: ``trtllm_checkpoint/`` via ``export_tensorrt_llm_checkpoint`` (config.json +
    ``rank{N}.safetensors`` per tp×pp rank + ``tokenizer/``), and its ``quant_algo`` /
-   ``kv_cache_quant_algo`` checked against what TensorRT-LLM 1.2 expects for the format.
+   ``kv_cache_quant_algo`` checked against what TensorRT-LLM 1.2 expects for the format;
+   ``target: pytorch``: ``unified_checkpoint/`` via ``export_hf_checkpoint`` (ModelOpt's unified Hugging Face
+   checkpoint, :mod:`kiln.steps.unified_export`), whose layer resmoothing runs right after calibration so that
+   steps 4-5 and the quality gate see the exported numbers.
 
 Every per-format fact (ModelOpt preset, expected ``quant_algo``, scale layout, calibration cap) comes from the
 format registry (:mod:`kiln.recipe.formats`). Formats marked ``trtllm_quantizes_weights`` (the weight-only ones)
@@ -45,6 +48,7 @@ from kiln.models.loading import (
     model_source_hash,
     resolve_dtype,
     resolve_model_dir,
+    save_tokenizer,
 )
 from kiln.recipe.formats import kv_cache_format, registry, weight_format
 from kiln.recipe.loader import LoadedRecipe
@@ -56,6 +60,7 @@ from kiln.steps.runtime_jobs import (
     PROBE_TEXT,
     RESTORE_CHECK,
     TRTLLM_DIR,
+    UNIFIED_DIR,
     runtime_identity,
 )
 from kiln.util.errors import InputError, KilnError
@@ -259,7 +264,7 @@ def _check_excludes(recipe: Recipe, info: ModelInfo, ctx: StepContext) -> None:
 
 
 def _check_parallelism(recipe: Recipe, info: ModelInfo) -> None:
-    if recipe.target != "tensorrt":
+    if recipe.target not in ("tensorrt", "pytorch"):
         return
     tp, pp = recipe.parallelism.tp, recipe.parallelism.pp
     heads, layers = info.num_attention_heads, info.num_hidden_layers
@@ -327,6 +332,8 @@ class QuantizeResult(StepResult):
     params: int
     checkpoint: str
     trtllm_checkpoint: Optional[str]
+    unified_checkpoint: Optional[str] = None
+    """Target pytorch: ModelOpt's unified Hugging Face checkpoint (what TensorRT-LLM's PyTorch backend loads)."""
     load_seconds: float
     calib_seconds: float
     export_seconds: float
@@ -390,7 +397,7 @@ def quantize(ctx: StepContext) -> QuantizeResult:
         model = load_model(model_dir, dtype, recipe.model.trust_remote_code)
         with hf_progress_off():
             model.save_pretrained(str(ckpt))
-        tokenizer.save_pretrained(str(ckpt))
+        save_tokenizer(tokenizer, ckpt)
     load_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -406,6 +413,11 @@ def quantize(ctx: StepContext) -> QuantizeResult:
                 model = mtq.quantize(model, quant_cfg, forward_loop=loop)
         except (RuntimeError, ValueError, AssertionError) as exc:
             raise KilnError(f"ModelOpt calibration failed for {q.format}: {str(exc).splitlines()[0]}") from exc
+        if recipe.target == "pytorch":
+            from kiln.steps.unified_export import resmooth
+
+            with quiet_stdout():
+                resmooth(model)
     calib_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -422,6 +434,10 @@ def quantize(ctx: StepContext) -> QuantizeResult:
     kv_algo = kv_cache_format(q.kv_cache).kv_cache_quant_algo
     if recipe.target == "tensorrt":
         quant_algo, kv_algo = export_trtllm(model, recipe, info, dtype, tokenizer, out / TRTLLM_DIR)
+    elif recipe.target == "pytorch":
+        from kiln.steps.unified_export import export_unified
+
+        quant_algo, kv_algo = export_unified(model, dtype, tokenizer, out / UNIFIED_DIR, q.format, q.kv_cache)
     export_s = time.perf_counter() - t0
 
     record = {
@@ -432,6 +448,9 @@ def quantize(ctx: StepContext) -> QuantizeResult:
         "block_size": q.awq_block_size if weight_format(q.format).uses_awq_block_size else None,
         "calib_samples": len(samples), "calib_data": data_hash, "modelopt_state": MODELOPT_STATE,
         "produced_by": host_environment(),
+        "export": ("modelopt.torch.export.export_hf_checkpoint (unified Hugging Face checkpoint)"
+                   if recipe.target == "pytorch" else "modelopt.torch.export.export_tensorrt_llm_checkpoint"
+                   if recipe.target == "tensorrt" else None),
     }
     (ckpt / QUANT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     del model  # refcounting frees it; a full gc.collect() here costs more than a small model's calibration
@@ -441,6 +460,7 @@ def quantize(ctx: StepContext) -> QuantizeResult:
         format=q.format, kv_cache=q.kv_cache, quant_algo=quant_algo, kv_cache_quant_algo=kv_algo, dtype=dtype,
         calib_samples=len(samples), calib_data=data_hash, params=info.parameters, checkpoint=CHECKPOINT_DIR,
         trtllm_checkpoint=TRTLLM_DIR if recipe.target == "tensorrt" else None,
+        unified_checkpoint=UNIFIED_DIR if recipe.target == "pytorch" else None,
         load_seconds=round(load_s, 3), calib_seconds=round(calib_s, 3), export_seconds=round(export_s, 3),
         seconds=round(time.perf_counter() - started, 3), produced_by=record["produced_by"],
     )
@@ -479,7 +499,7 @@ def export_trtllm(model: Any, recipe: Recipe, info: ModelInfo, dtype: str, token
         quant["quant_algo"] = fmt.quant_algo
     fix_rope(config, info.config)
     config_path.write_text(json.dumps(config, indent=4) + "\n", encoding="utf-8")
-    tokenizer.save_pretrained(str(export_dir / "tokenizer"))
+    save_tokenizer(tokenizer, export_dir / "tokenizer")
     return check_trtllm_checkpoint(export_dir, q.format, q.kv_cache, tp * pp)
 
 
@@ -550,6 +570,10 @@ def required_files(recipe: Recipe) -> tuple[str, ...]:
     if recipe.target == "tensorrt":
         ranks = recipe.parallelism.tp * recipe.parallelism.pp
         files += (f"{TRTLLM_DIR}/config.json",) + tuple(f"{TRTLLM_DIR}/rank{r}.safetensors" for r in range(ranks))
+    elif recipe.target == "pytorch":
+        from kiln.steps.unified_export import unified_files
+
+        files += unified_files(recipe.quantization.format, recipe.quantization.kv_cache)
     return files
 
 
@@ -574,6 +598,9 @@ def describe(loaded: LoadedRecipe, build_root: Path = Path("build")) -> list[str
     if r.target == "tensorrt":
         lines.append(f"export_tensorrt_llm_checkpoint(tp={r.parallelism.tp}, pp={r.parallelism.pp}) → "
                      f"quant_algo {fmt.quant_algo}, kv_cache_quant_algo {kv.kv_cache_quant_algo}")
+    elif r.target == "pytorch":
+        lines.append(f"export_hf_checkpoint (kiln's ModelOpt) → {UNIFIED_DIR}/ with hf_quant_config.json: quant_algo "
+                     f"{fmt.quant_algo}, kv_cache_quant_algo {kv.kv_cache_quant_algo}")
     return lines
 
 

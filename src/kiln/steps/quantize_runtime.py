@@ -10,6 +10,10 @@ The output has the host path's shape: ``checkpoint/`` (the unquantized model, ha
 tokenizer, ``modelopt_state.pth`` and kiln's record), ``restore_check.safetensors``, ``trtllm_checkpoint/``
 (config.json, one rank*.safetensors per tp×pp rank, the tokenizer), plus ``job/`` (what the worker was told and
 what it reported) and ``logs/``.
+
+Target pytorch runs the unified-checkpoint worker instead (``export_hf.py``: the image's ModelOpt calibrates and
+writes ``unified_checkpoint/``, ModelOpt's unified Hugging Face checkpoint), with the same calibration texts, the
+same saved quantizers and the same evaluation in the runtime.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ from kiln.steps.quantize import (
 from kiln.steps.runtime_jobs import (
     CHECKPOINT_DIR,
     TRTLLM_DIR,
+    UNIFIED_DIR,
+    export_hf_job,
+    export_hf_job_file,
     quantize_job,
     quantize_job_file,
     quantize_mounts,
@@ -95,20 +102,29 @@ def quantize_in_runtime(ctx: StepContext) -> QuantizeResult:
     # ---- the worker, in the engine runtime
     rt = engine_runtime_for(recipe, ctx.build_root)
     mounts = quantize_mounts(model_dir, calib_dir, out)
-    job = quantize_job(rt, mounts)
-    write_job_file(out / "job", "quantize", quantize_job_file(recipe, rt.paths(job), len(texts), dtype))
+    unified = recipe.target == "pytorch"
+    name = "export_hf" if unified else "quantize"
+    job = export_hf_job(rt, mounts) if unified else quantize_job(rt, mounts)
+    content = (export_hf_job_file if unified else quantize_job_file)(recipe, rt.paths(job), len(texts), dtype)
+    write_job_file(out / "job", name, content)
     ctx.log("  " + shlex.join(rt.command(job)))
-    with ctx.status(f"calibrating {q.format} with TensorRT-LLM's quantizer") as update:
-        rt.run(job, out / "logs" / "quantize.log", update)
+    with ctx.status(f"calibrating {q.format} with " + ("the image's ModelOpt" if unified
+                                                       else "TensorRT-LLM's quantizer")) as update:
+        rt.run(job, out / "logs" / f"{name}.log", update)
     try:
-        report = json.loads((out / "job" / "quantize.result.json").read_text())
+        report = json.loads((out / "job" / f"{name}.result.json").read_text())
     except (OSError, ValueError) as exc:
-        raise KilnError(f"the quantize worker wrote no report ({exc}); see {out / 'logs' / 'quantize.log'}") from None
+        raise KilnError(f"the {name} worker wrote no report ({exc}); see {out / 'logs' / f'{name}.log'}") from None
 
     # ---- the output's host side: the unquantized model beside the quantizers, checks, kiln's record
     _link_model(model_dir, out / CHECKPOINT_DIR)
     world = recipe.parallelism.tp * recipe.parallelism.pp
-    quant_algo, kv_algo = check_trtllm_checkpoint(out / TRTLLM_DIR, q.format, q.kv_cache, world)
+    if unified:
+        from kiln.steps.unified_export import check_unified_checkpoint
+
+        quant_algo, kv_algo = check_unified_checkpoint(out / UNIFIED_DIR, q.format, q.kv_cache)
+    else:
+        quant_algo, kv_algo = check_trtllm_checkpoint(out / TRTLLM_DIR, q.format, q.kv_cache, world)
     packages = report.get("packages", {})
     produced_by = {
         "environment": (f"engine runtime: {rt.image}" if isinstance(rt, ContainerRuntime) else rt.describe()),
@@ -125,16 +141,21 @@ def quantize_in_runtime(ctx: StepContext) -> QuantizeResult:
         "calib_samples": len(texts), "calib_data": content_hash(q.calibration),
         "modelopt_state": "modelopt_state.pth", "graded": report.get("state_from"), "produced_by": produced_by,
         "trtllm_qformat": fmt.trtllm_qformat, "trtllm_kv_cache_dtype": kv_cache_format(q.kv_cache).trtllm_kv_cache_dtype,
+        "export": report.get("export", "tensorrt_llm.quantization.quantize_and_export"),
     }
     (out / CHECKPOINT_DIR / QUANT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     label = q.format + (f" + {q.kv_cache} KV" if q.kv_cache != "none" else "")
     seconds = round(time.perf_counter() - started, 3)
     return QuantizeResult(
-        summary=f"{label} (quant_algo {quant_algo}) by TensorRT-LLM {produced_by['tensorrt_llm']} / ModelOpt "
-                f"{produced_by['modelopt']} in the engine runtime, {len(texts)} calibration samples",
+        summary=f"{label} (quant_algo {quant_algo}) " + (
+            f"unified checkpoint by the image's ModelOpt {produced_by['modelopt']} (TensorRT-LLM "
+            f"{produced_by['tensorrt_llm']})" if unified else
+            f"by TensorRT-LLM {produced_by['tensorrt_llm']} / ModelOpt {produced_by['modelopt']}")
+        + f" in the engine runtime, {len(texts)} calibration samples",
         format=q.format, kv_cache=q.kv_cache, quant_algo=quant_algo, kv_cache_quant_algo=kv_algo, dtype=dtype,
         calib_samples=len(texts), calib_data=record["calib_data"], params=info.parameters, checkpoint=CHECKPOINT_DIR,
-        trtllm_checkpoint=TRTLLM_DIR, load_seconds=0.0, calib_seconds=float(report.get("seconds") or 0.0),
+        trtllm_checkpoint=None if unified else TRTLLM_DIR, unified_checkpoint=UNIFIED_DIR if unified else None,
+        load_seconds=0.0, calib_seconds=float(report.get("seconds") or 0.0),
         export_seconds=0.0, seconds=seconds, produced_by=produced_by)
 
 
@@ -145,7 +166,13 @@ def describe_in_runtime(loaded: LoadedRecipe, build_root: Path) -> list[str]:
     fmt, kv = weight_format(q.format), kv_cache_format(q.kv_cache)
     rt = engine_runtime_for(r, build_root)
     out = build_root / r.name / "quantize"
-    job = quantize_job(rt, quantize_mounts(_model_dir_for_display(r), out / "job" / "calib", out))
+    mounts = quantize_mounts(_model_dir_for_display(r), out / "job" / "calib", out)
+    if r.target == "pytorch":
+        return [f"the image's ModelOpt: {fmt.modelopt_config or 'no weight quantization'}"
+                + (f" + {kv.label}" if kv.modelopt_config else "") + f", {calib_sample_count(r)} calibration samples, "
+                f"export_hf_checkpoint → {UNIFIED_DIR}/ (quant_algo {fmt.quant_algo}, kv_cache_quant_algo "
+                f"{kv.kv_cache_quant_algo})", "$ " + shlex.join(rt.command(export_hf_job(rt, mounts)))]
+    job = quantize_job(rt, mounts)
     return [f"TensorRT-LLM quantize_and_export(qformat={fmt.trtllm_qformat}, kv_cache_dtype="
             f"{kv.trtllm_kv_cache_dtype}, calib_size={calib_sample_count(r)}, tp_size={r.parallelism.tp}, "
             f"pp_size={r.parallelism.pp}) → quant_algo {fmt.quant_algo}, kv_cache_quant_algo {kv.kv_cache_quant_algo}",

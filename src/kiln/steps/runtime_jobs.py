@@ -21,6 +21,8 @@ OUT = f"{ROOT}/out"
 JOB = f"{ROOT}/job"
 ENGINE_SUBDIR = "trtllm_engine"
 TRTLLM_DIR = "trtllm_checkpoint"
+#: Target pytorch: ModelOpt's unified Hugging Face checkpoint (see kiln.steps.unified_export).
+UNIFIED_DIR = "unified_checkpoint"
 CHECKPOINT_DIR = "checkpoint"
 MODELOPT_STATE = "modelopt_state.pth"
 RESTORE_CHECK = "restore_check.safetensors"
@@ -94,6 +96,30 @@ def quantize_job_file(recipe: Recipe, paths: Mapping[str, str], samples: int, dt
 def quantize_job(rt: EngineRuntime, mounts: dict[str, Mount]) -> Job:
     return Job("quantize", mounts, lambda p: [rt.python(), f"{p['workers']}/quantize.py", "--job",
                                               f"{p['job']}/quantize.json"], workdir="out")
+
+
+def export_hf_job_file(recipe: Recipe, paths: Mapping[str, str], samples: int, dtype: str) -> dict[str, Any]:
+    """What the unified-checkpoint worker (target pytorch) is told: the registry's ModelOpt presets by name (the
+    image's ModelOpt builds them), the recipe's choices and the paths as the runtime sees them."""
+    q = recipe.quantization
+    fmt, kv = weight_format(q.format), kv_cache_format(q.kv_cache)
+    out = paths["out"]
+    return {
+        "model_dir": paths["model"], "calib_dir": paths["calib"], "output_dir": f"{out}/{UNIFIED_DIR}",
+        "modelopt_state": f"{out}/{CHECKPOINT_DIR}/{MODELOPT_STATE}", "restore_check": f"{out}/{RESTORE_CHECK}",
+        "result": f"{out}/job/export_hf.result.json",
+        "preset": fmt.modelopt_config, "uses_block_size": fmt.uses_awq_block_size, "awq_block_size": q.awq_block_size,
+        "smoothquant_alpha": q.smoothquant_alpha if fmt.calibration.algorithm == "smoothquant" else None,
+        "kv_preset": kv.modelopt_config, "kv_num_bits": kv.modelopt_num_bits,
+        "calib_size": samples, "calib_max_seq_length": q.calibration.max_seq_len, "seed": q.calibration.seed,
+        "dtype": dtype, "exclude_patterns": [p if p.endswith("*") else f"{p}.*" for p in q.exclude_modules],
+        "probe_text": PROBE_TEXT,
+    }
+
+
+def export_hf_job(rt: EngineRuntime, mounts: dict[str, Mount]) -> Job:
+    return Job("export-hf", mounts, lambda p: [rt.python(), f"{p['workers']}/export_hf.py", "--job",
+                                               f"{p['job']}/export_hf.json"], workdir="out")
 
 
 # ------------------------------------------------------------------------------------------------ evaluate

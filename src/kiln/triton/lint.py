@@ -5,7 +5,8 @@ the file, the line and the fix. Checks: every config.pbtxt parses into Triton's 
 (`model_config_pb2.ModelConfig`); no `${…}` placeholder is left; ensemble steps name existing models and
 tensors with matching types; streaming needs decoupled models; limits and KV-cache features agree with the
 engine's `config.json`; the tokenizer is present and loads; the engine's TensorRT-LLM version is the one the
-serving container in `kiln.json` ships.
+serving container in `kiln.json` ships. Triton llmapi repositories (target pytorch) get their own checks
+(:mod:`kiln.triton.lint_llmapi`).
 """
 
 from __future__ import annotations
@@ -349,11 +350,17 @@ def lint_repository(repo: Path) -> list[Finding]:
             kiln_info = json.loads((repo / "kiln.json").read_text())
         except ValueError as exc:
             findings.append(Finding("error", "kiln.json", str(repo / "kiln.json"), None, f"unreadable: {exc}"))
+    from kiln.triton.lint_llmapi import check_llmapi, is_llmapi
+
+    llmapi = is_llmapi(models)  # Triton's llmapi layout (target pytorch): model.yaml instead of an engine
     for m in models.values():
         findings += check_placeholders(m)
         findings += check_ensemble(m, models)
-        findings += check_engine_agreement(m, repo)
+        if not (llmapi and m.name == TRTLLM_MODEL):
+            findings += check_engine_agreement(m, repo)
         findings += check_tokenizer(m, repo)
+    if llmapi:
+        findings += check_llmapi(models[TRTLLM_MODEL], repo, kiln_info)
     findings += check_decoupled(models, kiln_info)
     findings += check_versions(models, repo, kiln_info)
     return sorted(findings, key=lambda f: (f.severity != "error", f.model, f.line or 0))

@@ -244,6 +244,7 @@ def trtllm_config(r: Recipe, name: str, max_seq_len: int, engine_cfg: dict, kv_t
                     "normalize_log_probs": True,
                     "stats_check_period_ms": 100,
                     "kv_cache_onboard_blocks": True,
+                    "cuda_graph_mode": s.cuda_graphs,  # None (unset): the backend's default, off
                     "executor_worker_path": "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker",
                     # read unguarded by the backend: they must exist; empty means guided decoding is off
                     "tokenizer_dir": "", "xgrammar_tokenizer_info_path": "", "guided_decoding_backend": ""})

@@ -79,6 +79,9 @@ class DeployInfo:
     """The image of multi-node (LeaderWorkerSet) pods: the serving image plus sshd (Dockerfile.multinode)."""
     openai: OpenAISidecar | None = None
     """kiln's OpenAI-compatible server beside Triton (:mod:`kiln.triton.deploy.openai_sidecar`); None: none."""
+    llmapi: bool = False
+    """Target pytorch: the repository's one model is Triton's llmapi model; one tritonserver process, whose LLM API
+    starts the tp × pp ranks itself (no mpirun leader mode, no engine to check)."""
 
     def __post_init__(self) -> None:
         if not self.recipe_name.strip():
@@ -160,9 +163,15 @@ class DeployInfo:
         ``draft_model_name`` is the draft model's directory in the repository (draft/target speculative
         decoding); ranks above 0 then load it too.
         """
+        from kiln.recipe.schema import llmapi_runtime
+
         names = ("tensorrt_llm",) + ((draft_model_name,) if draft_model_name else ())
         s = recipe.serving
-        openai = OpenAISidecar(s.openai_image or default_image(), s.openai_port, s.openai_model) if s.openai_sidecar else None
+        llmapi = recipe.target == "pytorch"
+        # the sidecar speaks to the ensemble / BLS; an llmapi repository has neither (trtllm-serve, whose files
+        # package writes for target pytorch, is OpenAI-compatible itself)
+        openai = (OpenAISidecar(s.openai_image or default_image(), s.openai_port, s.openai_model)
+                  if s.openai_sidecar and not llmapi else None)
         return cls(
             recipe_name=recipe.name,
             image=image,
@@ -171,12 +180,13 @@ class DeployInfo:
             http_port=recipe.serving.http_port,
             grpc_port=recipe.serving.grpc_port,
             metrics_port=recipe.serving.metrics_port,
-            gpu=recipe.target == "tensorrt",
+            gpu=recipe.target == "tensorrt" or (llmapi and llmapi_runtime(recipe) == "tensorrt_llm"),
             hub_token_secret=hub_token_secret,
             tensorrt_llm_model_names=names,
             orchestrator_gpus=(orchestrator_gpus or recipe.parallelism.tp * recipe.parallelism.pp) if orchestrator else 0,
             multinode_image=recipe.serving.multinode_image or multinode_image_name(image),
             openai=openai,
+            llmapi=llmapi,
         )
 
 

@@ -59,7 +59,7 @@ def launch_command(info: DeployInfo, repo: str) -> list[list[str]]:
                 "--disable-auto-complete-config", "--pinned-memory-pool-byte-size=0", "--enable-peer-access=false"]
         argv += [f"--cuda-memory-pool-byte-size={gpu}:0" for gpu in range(info.orchestrator_gpus)]
         return [argv]
-    for rank in range(info.world_size):
+    for rank in range(1 if info.llmapi else info.world_size):  # llmapi: the LLM API starts its own ranks
         argv = [
             "tritonserver",
             f"--model-repository={repo}",
@@ -70,7 +70,7 @@ def launch_command(info: DeployInfo, repo: str) -> list[list[str]]:
         ]
         if not info.gpu:
             argv.append("--allow-gpu-metrics=false")  # reference target: no GPU to read metrics from
-        if info.world_size > 1:
+        if info.world_size > 1 and not info.llmapi:
             argv.append(f"--backend-config=python,shm-region-prefix-name=prefix{rank}_")
         if rank > 0:
             argv.append("--model-control-mode=explicit")
@@ -94,7 +94,7 @@ def server_command(info: DeployInfo, repo: str) -> list[str]:
     """The argv that starts the server on one host: ``tritonserver ...`` for one rank, else ``mpirun ...``."""
     if info.orchestrator_gpus:
         return ["env", *ORCHESTRATOR_ENV, *launch_command(info, repo)[0]]
-    if info.world_size == 1:
+    if info.world_size == 1 or info.llmapi:
         return launch_command(info, repo)[0]
     return mpirun_command(info, repo)
 
@@ -122,7 +122,7 @@ def render_launch_script(info: DeployInfo) -> str:
         f"#   MODEL_REPO         the model repository (default {CONTAINER_REPO}, where docker-compose.yml and the",
         "#                      Kubernetes manifests mount it; set it to run on a host with tritonserver installed)",
     ]
-    if info.world_size > 1:
+    if info.world_size > 1 and not info.llmapi:
         lines += [
             "#   KILN_MPI_HOSTFILE  spread the ranks over several nodes: an Open MPI hostfile, this node first,",
             "#                      `<host> slots=<GPUs>` per line (k8s leader.sh writes it). Remote ranks start",
@@ -137,7 +137,10 @@ def render_launch_script(info: DeployInfo) -> str:
         "  exit 2",
         "fi",
     ]
-    if info.gpu:
+    if info.llmapi:
+        lines += ["", "# Triton's llmapi model: TensorRT-LLM's PyTorch backend loads the unified checkpoint named in",
+                  "# tensorrt_llm/1/model.yaml (relative to that directory) and starts its tp × pp ranks itself."]
+    if info.gpu and not info.llmapi:
         lines += [
             "",
             "# The engine only loads with the TensorRT-LLM and TensorRT that built it (kiln.json records them):",
@@ -177,7 +180,7 @@ def render_launch_script(info: DeployInfo) -> str:
         lines += [f"export {kv}" for kv in ORCHESTRATOR_ENV]
         lines.append("exec " + " ".join(_sh(w) for w in ranks[0]))
         return "\n".join(lines) + "\n"
-    if info.world_size == 1:
+    if info.world_size == 1 or info.llmapi:
         lines.append("exec " + " ".join(_sh(w) for w in ranks[0]))
         return "\n".join(lines) + "\n"
     lines += [
@@ -661,7 +664,7 @@ def render_readme(info: DeployInfo, repo_source: str) -> str:
         "## One host: launch.sh",
         "",
         "Inside the serving image (or on a host with `tritonserver`"
-        + (" and `mpirun`" if info.world_size > 1 else "")
+        + (" and `mpirun`" if info.world_size > 1 and not info.llmapi else "")
         + "), with the repository mounted:",
         "",
         "```sh",
@@ -675,7 +678,9 @@ def render_readme(info: DeployInfo, repo_source: str) -> str:
         "```sh",
         "docker compose up -d" + ("   # export HF_TOKEN first" if info.hub_token_secret else ""),
         f"curl -fsS localhost:{h}/v2/health/ready && echo ready",
-        f"curl -s localhost:{h}/v2/models/ensemble/generate -d '{{\"text_input\": \"Hello\", \"max_tokens\": 32}}'",
+        (f"curl -s localhost:{h}/v2/models/tensorrt_llm/generate -d '{{\"text_input\": \"Hello\", "
+         "\"sampling_param_max_tokens\": 32}'" if info.llmapi else
+         f"curl -s localhost:{h}/v2/models/ensemble/generate -d '{{\"text_input\": \"Hello\", \"max_tokens\": 32}}'"),
         "```",
         "",
         "## Kubernetes",

@@ -1,0 +1,117 @@
+"""kiln's unified-checkpoint worker, run inside the engine runtime for target pytorch: the image's ModelOpt (the one
+its TensorRT-LLM was made with) calibrates on the GPU and writes ModelOpt's unified Hugging Face checkpoint, what
+TensorRT-LLM's PyTorch backend loads.
+
+    python3 export_hf.py --job JOB.json
+
+TensorRT-LLM 1.2.1's quantize_and_export writes only the TensorRT-LLM checkpoint, so this worker calls ModelOpt
+directly, the way ModelOpt's own examples/llm_ptq does for its unified export:
+
+* the format's ModelOpt preset (named by kiln's format registry, read from the image's ModelOpt) with the recipe's
+  AWQ block size, KV-cache quantizers and excluded modules, calibrated with ``mtq.quantize`` on kiln's hashed
+  calibration texts;
+* ModelOpt's export step ``requantize_resmooth_fused_llm_layers`` right after calibration, then the calibrated
+  quantizers and a probe's logits are saved (so the evaluate worker grades exactly what is exported);
+* ``export_hf_checkpoint`` and the tokenizer beside it.
+
+It imports only what the runtime has (torch, transformers, modelopt, safetensors) and the shared helpers of the
+quantize worker beside it, never kiln. The job file names every path as the runtime sees it.
+"""
+
+import argparse
+import copy
+import json
+import os
+import time
+
+from quantize import calibration_texts, disable_patterns, load_model, merge_entries, read_job, save_state, versions
+
+
+def set_block_size(config, block):
+    """The AWQ group size on the weight quantizer(s) with block sizes, in either config shape."""
+    entries = config["quant_cfg"]
+    items = entries.items() if isinstance(entries, dict) else ((e.get("quantizer_name"), e.get("cfg")) for e in entries)
+    for name, attrs in list(items):
+        if name != "*weight_quantizer":
+            continue
+        for one in attrs if isinstance(attrs, (list, tuple)) else [attrs]:
+            sizes = one.get("block_sizes") if isinstance(one, dict) else None
+            if isinstance(sizes, dict):
+                key = "-1" if "-1" in sizes and -1 not in sizes else -1
+                sizes[key] = block
+    return config
+
+
+def kv_entries(mtq, job):
+    """The KV-cache quantizer entries of the job's preset, with the job's bit width where it sets one."""
+    entries = copy.deepcopy(getattr(mtq, job["kv_preset"])["quant_cfg"])
+    bits = job.get("kv_num_bits")
+    if bits is None:
+        return entries
+
+    def with_bits(attrs):
+        return {**attrs, "num_bits": bits} if isinstance(attrs, dict) and "num_bits" in attrs else attrs
+
+    if isinstance(entries, dict):
+        return {k: with_bits(v) for k, v in entries.items() if k != "default"}
+    return [{**e, "cfg": with_bits(e["cfg"])} if "cfg" in e else e for e in entries]
+
+
+def quant_config(mtq, job):
+    """The ModelOpt config the recipe means, built from the image's own presets."""
+    if job["preset"]:
+        config = copy.deepcopy(getattr(mtq, job["preset"]))
+        if job.get("awq_block_size") and job.get("uses_block_size"):
+            config = set_block_size(config, job["awq_block_size"])
+        if job.get("smoothquant_alpha") is not None:
+            config["algorithm"] = {"method": "smoothquant", "alpha": job["smoothquant_alpha"]}
+    elif isinstance(getattr(mtq, job["kv_preset"])["quant_cfg"], dict):  # KV only, in the presets' own shape
+        config = {"quant_cfg": {"default": {"enable": False}}, "algorithm": "max"}
+    else:
+        config = {"quant_cfg": [{"quantizer_name": "*", "enable": False}], "algorithm": "max"}
+    if job.get("kv_preset"):
+        config = merge_entries(config, kv_entries(mtq, job))
+    return disable_patterns(config, job.get("exclude_patterns", []))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--job", required=True, help="the job file (JSON) kiln wrote")
+    job = read_job(parser.parse_args().job)
+    started = time.monotonic()
+
+    import modelopt.torch.quantization as mtq
+    import torch
+    from modelopt.torch.export import export_hf_checkpoint
+    from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers
+    from transformers import AutoTokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(job["seed"])
+    model = load_model(job, device)
+    tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
+    texts = calibration_texts(job)[: job["calib_size"]]
+
+    def forward_loop(m):
+        with torch.no_grad():
+            for text in texts:
+                ids = tokenizer(text, return_tensors="pt", truncation=True,
+                                max_length=job["calib_max_seq_length"])["input_ids"]
+                m(input_ids=ids.to(device), use_cache=False)
+
+    model = mtq.quantize(model, quant_config(mtq, job), forward_loop=forward_loop)
+    with torch.no_grad():
+        requantize_resmooth_fused_llm_layers(model)  # what export_hf_checkpoint does first; see the docstring
+    save_state(model, job)
+    export_hf_checkpoint(model, dtype=getattr(torch, job["dtype"]), export_dir=job["output_dir"])
+    tokenizer.save_pretrained(job["output_dir"])
+    result = {"packages": versions(), "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+              "state_from": "calibration", "export": "modelopt.torch.export.export_hf_checkpoint",
+              "seconds": round(time.monotonic() - started, 3)}
+    with open(job["result"], "w", encoding="utf-8") as fh:
+        json.dump(result, fh, indent=2)
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
