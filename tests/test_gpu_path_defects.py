@@ -134,3 +134,25 @@ def test_server_command_names_the_final_repository_not_a_temporary_one(tmp_path:
     repo_arg = next(a for a in cmd if a.startswith("--model-repository="))
     assert repo_arg == f"--model-repository={tmp_path / 'triton_repo' / 'tiny-llama'}"
     assert ".tmp-" not in " ".join(cmd)
+
+
+# ------------------------------------------------------------------ the engine check at start
+
+
+def test_kiln_serve_refuses_an_engine_built_by_other_versions(tmp_path, kiln, monkeypatch) -> None:
+    """`kiln serve REPO` on a host whose TensorRT-LLM/TensorRT did not build the engine refuses before starting
+    tritonserver, with the rebuild command (launch.sh runs the same check in the container: test_deploy.py)."""
+    import sys
+
+    from tests.standins import serving_site, stub_repository
+
+    repo = stub_repository(tmp_path / "repo", trtllm="1.2.1", tensorrt="10.14.1.48")
+    monkeypatch.syspath_prepend(str(serving_site(tmp_path, "1.1.0", "10.13.3.9")))  # this host's stand-in install
+    import importlib
+
+    importlib.invalidate_caches()
+    result = kiln("serve", repo)
+    assert result.exit_code == 2, result.output
+    assert "tensorrt_llm: the engine was built with 1.2.1, this environment has 1.1.0" in result.output
+    assert "kiln build stub --from engine --set engine_runtime.trtllm_version=1.1.0" in result.output
+    assert "Traceback" not in result.output and sys.modules.get("tensorrt_llm") is None
