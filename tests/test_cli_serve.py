@@ -138,8 +138,11 @@ def test_bench_writes_json_csv_and_png_that_agree(kiln, background, hf_greedy, t
     prompts.write_text("".join(json.dumps({"prompt": p, "expected": hf_greedy(p, MAX_TOKENS)}) + "\n"
                                for p in PROMPTS))
     out = tmp_path / "bench"
+    # the planner predicts float16 GEMMs (the tiny model is float32, for which no GPU has a tensor-core figure)
+    fp16 = tmp_path / "tiny-fp16.yaml"
+    fp16.write_text(f"extends: {DEFAULT_RECIPE}\nname: tiny-llama\nmodel:\n  dtype: float16\n")
     result = kiln("bench", "--url", background.grpc, "--concurrency", "1,2", "--duration", "2", "--output-len",
-                  MAX_TOKENS, "--input-len", 8, "--prompts", prompts, "--out", out, "--recipe", DEFAULT_RECIPE,
+                  MAX_TOKENS, "--input-len", 8, "--prompts", prompts, "--out", out, "--recipe", fp16,
                   "--gpu", "H100-SXM")
     assert result.exit_code == 0, result.output
     report = json.loads((out / "bench.json").read_text())
@@ -157,7 +160,8 @@ def test_bench_writes_json_csv_and_png_that_agree(kiln, background, hf_greedy, t
     png = (out / "bench.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
     # --recipe/--gpu: each level's measured figures next to `kiln plan`'s speed model for the same workload
-    assert "vs plan" in result.output and "x plan" in result.output and "kiln plan speed model" in result.output
+    assert "vs plan" in result.output and "x plan" in result.output and "kiln plan speed model" in result.output, \
+        result.output
     assert f"wrote {out / 'bench.json'}, {out / 'bench.csv'}, {out / 'bench.png'}" in result.output
 
 
