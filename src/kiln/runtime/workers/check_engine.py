@@ -21,18 +21,19 @@ NAMES = {"tensorrt_llm": ("tensorrt_llm", "tensorrt-llm"), "tensorrt": ("tensorr
 IMAGE = "nvcr.io/nvidia/tritonserver:{release}-trtllm-python-py3"
 
 
+def version(names):
+    """The installed version of the first of ``names`` (a package's distribution names) found, or None."""
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def installed():
     """The TensorRT-LLM and TensorRT versions of this environment (None where absent)."""
-    found = {}
-    for key, names in NAMES.items():
-        found[key] = None
-        for name in names:
-            try:
-                found[key] = metadata.version(name)
-                break
-            except metadata.PackageNotFoundError:
-                continue
-    return found
+    return {key: version(names) for key, names in NAMES.items()}
 
 
 def mismatches(info, found):

@@ -8,10 +8,9 @@ evaluation sequences (token ids, chosen and tokenized by kiln) the negative log-
 the KL divergence KL(base ‖ quantized). kiln turns the sums into perplexities and the quality gate.
 
 :func:`nll_and_kl` is also what kiln's own (host) evaluation uses, so both paths compute the same figures. The
-script imports only torch, transformers, safetensors and modelopt — never kiln.
+script imports only torch, transformers, safetensors, modelopt and its sibling worker_io — never kiln.
 """
 
-import argparse
 import json
 import time
 
@@ -59,24 +58,18 @@ def restore_error(model, check_file):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--job", required=True, help="the job file (JSON) kiln wrote")
-    with open(parser.parse_args().job, encoding="utf-8") as fh:
-        job = json.load(fh)
+    # A sibling of this script in the runtime; imported here, not above, because kiln imports this file too.
+    from worker_io import device_name, job_from_command_line, load_model, runtime_device, write_result
+
+    job = job_from_command_line(__doc__)
     started = time.monotonic()
 
     import modelopt.torch.opt as mto
     import torch
-    from transformers import AutoModelForCausalLM
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}.get(job["dtype"], "auto")
-
-    def load():
-        return AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=dtype).to(device).eval()
-
-    base = load()
-    quant = mto.restore(load(), job["modelopt_state"]).eval()
+    device = runtime_device()
+    base = load_model(job, device)
+    quant = mto.restore(load_model(job, device), job["modelopt_state"]).eval()
     error = restore_error(quant, job["restore_check"])
     if error > 1e-3:
         raise SystemExit(f"the restored quantized model does not reproduce the calibrated one (relative logit "
@@ -91,12 +84,9 @@ def main():
             lq = quant(input_ids=ids, attention_mask=mask, use_cache=False).logits
             for i, value in enumerate(nll_and_kl(lb, lq, ids, mask)):
                 sums[i] += value
-    result = {"nll_base": sums[0], "nll_quant": sums[1], "kl": sums[2], "tokens": sums[3],
-              "restore_error": error, "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-              "seconds": round(time.monotonic() - started, 3)}
-    with open(job["result"], "w", encoding="utf-8") as fh:
-        json.dump(result, fh, indent=2)
-    print(json.dumps(result), flush=True)
+    write_result(job, {"nll_base": sums[0], "nll_quant": sums[1], "kl": sums[2], "tokens": sums[3],
+                       "restore_error": error, "device": device_name(device),
+                       "seconds": round(time.monotonic() - started, 3)})
 
 
 if __name__ == "__main__":

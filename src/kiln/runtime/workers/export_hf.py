@@ -14,17 +14,15 @@ directly, the way ModelOpt's own examples/llm_ptq does for its unified export:
   quantizers and a probe's logits are saved (so the evaluate worker grades exactly what is exported);
 * ``export_hf_checkpoint`` and the tokenizer beside it.
 
-It imports only what the runtime has (torch, transformers, modelopt, safetensors) and the shared helpers of the
-quantize worker beside it, never kiln. The job file names every path as the runtime sees it.
+It imports only what the runtime has (torch, transformers, modelopt, safetensors) and the shared helpers of its
+siblings (the quantize worker, worker_io), never kiln. The job file names every path as the runtime sees it.
 """
 
-import argparse
 import copy
-import json
-import os
 import time
 
-from quantize import calibration_texts, disable_patterns, load_model, merge_entries, read_job, save_state, versions
+from quantize import calibration_loop, calibration_texts, disable_patterns, merge_entries, save_state, versions
+from worker_io import device_name, job_from_command_line, load_model, runtime_device, write_result
 
 
 def set_block_size(config, block):
@@ -75,9 +73,7 @@ def quant_config(mtq, job):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--job", required=True, help="the job file (JSON) kiln wrote")
-    job = read_job(parser.parse_args().job)
+    job = job_from_command_line(__doc__)
     started = time.monotonic()
 
     import modelopt.torch.quantization as mtq
@@ -86,31 +82,20 @@ def main():
     from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers
     from transformers import AutoTokenizer
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = runtime_device()
     torch.manual_seed(job["seed"])
     model = load_model(job, device)
     tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
     texts = calibration_texts(job)[: job["calib_size"]]
-
-    def forward_loop(m):
-        with torch.no_grad():
-            for text in texts:
-                ids = tokenizer(text, return_tensors="pt", truncation=True,
-                                max_length=job["calib_max_seq_length"])["input_ids"]
-                m(input_ids=ids.to(device), use_cache=False)
-
-    model = mtq.quantize(model, quant_config(mtq, job), forward_loop=forward_loop)
+    model = mtq.quantize(model, quant_config(mtq, job), forward_loop=calibration_loop(job, tokenizer, texts, device))
     with torch.no_grad():
         requantize_resmooth_fused_llm_layers(model)  # what export_hf_checkpoint does first; see the docstring
     save_state(model, job)
     export_hf_checkpoint(model, dtype=getattr(torch, job["dtype"]), export_dir=job["output_dir"])
     tokenizer.save_pretrained(job["output_dir"])
-    result = {"packages": versions(), "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-              "state_from": "calibration", "export": "modelopt.torch.export.export_hf_checkpoint",
-              "seconds": round(time.monotonic() - started, 3)}
-    with open(job["result"], "w", encoding="utf-8") as fh:
-        json.dump(result, fh, indent=2)
-    print(json.dumps(result), flush=True)
+    write_result(job, {"packages": versions(), "device": device_name(device), "state_from": "calibration",
+                       "export": "modelopt.torch.export.export_hf_checkpoint",
+                       "seconds": round(time.monotonic() - started, 3)})
 
 
 if __name__ == "__main__":

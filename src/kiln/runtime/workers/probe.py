@@ -6,24 +6,15 @@ the GPU driver libraries). Run as ``python3 probe.py``; kiln parses the last lin
 
 import json
 import platform
-from importlib import metadata
+
+from check_engine import NAMES, version  # its sibling here: the engine check reads versions the same way
 
 PACKAGES = {
-    "tensorrt_llm": ("tensorrt_llm", "tensorrt-llm"),
-    "tensorrt": ("tensorrt", "tensorrt-cu13", "tensorrt-cu12"),
+    **NAMES,  # tensorrt_llm, tensorrt
     "nvidia-modelopt": ("nvidia-modelopt", "nvidia_modelopt"),
     "transformers": ("transformers",),
     "torch": ("torch",),
 }
-
-
-def version(names):
-    for name in names:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def gpus():

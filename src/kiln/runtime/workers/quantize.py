@@ -13,20 +13,17 @@ TensorRT-LLM was made with. Around that call it adds what kiln's recipe and qual
   per-channel scheme is applied to a copy of the model for the quality gate;
 * the tokenizer is copied beside the checkpoint (quantize_and_export writes none).
 
-It imports only what the runtime has (torch, transformers, modelopt, tensorrt_llm, safetensors), never kiln.
+It imports only what the runtime has (torch, transformers, modelopt, tensorrt_llm, safetensors) and its siblings
+(worker_io, probe), never kiln.
 The job file names every path as the runtime sees it; the result file records versions and timings.
 """
 
-import argparse
 import copy
 import json
 import os
 import time
 
-
-def read_job(path):
-    with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
+from worker_io import device_name, job_from_command_line, load_model, runtime_device, write_result
 
 
 def disable_patterns(config, patterns):
@@ -76,15 +73,6 @@ def merge_entries(config, entries):
     return config
 
 
-def load_model(job, device):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}.get(job["dtype"])
-    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=dtype or "auto")
-    return model.to(device).eval()
-
-
 def save_state(model, job):
     """The calibrated quantizers, and a probe's logits that the restored model must reproduce."""
     import modelopt.torch.opt as mto
@@ -107,11 +95,24 @@ def calibration_texts(job):
         return [json.loads(line)["text"] for line in fh if line.strip()]
 
 
+def calibration_loop(job, tokenizer, texts, device):
+    """ModelOpt's ``forward_loop``: the calibration texts through the model, each cut to the job's length."""
+    import torch
+
+    def forward_loop(m):
+        with torch.no_grad():
+            for text in texts:
+                ids = tokenizer(text, return_tensors="pt", truncation=True,
+                                max_length=job["calib_max_seq_length"])["input_ids"]
+                m(input_ids=ids.to(device), use_cache=False)
+
+    return forward_loop
+
+
 def fake_quant_state(job, quantize, device):
     """Weight-only formats: TensorRT-LLM's export calibrates nothing (it quantizes at build time). Apply the same
     per-channel weight scheme to the unquantized model, so the quality gate measures what the engine runs."""
     import modelopt.torch.quantization as mtq
-    import torch
     from transformers import AutoTokenizer
 
     fake = job["fake_quant"]
@@ -128,15 +129,7 @@ def fake_quant_state(job, quantize, device):
     model = load_model(job, device)
     tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
     texts = calibration_texts(job)[: max(1, min(job["calib_size"], 32))]
-
-    def forward_loop(m):
-        with torch.no_grad():
-            for text in texts:
-                ids = tokenizer(text, return_tensors="pt", truncation=True,
-                                max_length=job["calib_max_seq_length"])["input_ids"]
-                m(input_ids=ids.to(device), use_cache=False)
-
-    quantize(model, config, forward_loop=forward_loop)
+    quantize(model, config, forward_loop=calibration_loop(job, tokenizer, texts, device))
 
 
 def versions():
@@ -147,17 +140,14 @@ def versions():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--job", required=True, help="the job file (JSON) kiln wrote")
-    job = read_job(parser.parse_args().job)
+    job = job_from_command_line(__doc__)
     started = time.monotonic()
 
     import modelopt.torch.quantization as mtq
-    import torch
     from tensorrt_llm.quantization import quantize_and_export
     from transformers import AutoTokenizer
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = runtime_device()
     real_quantize = mtq.quantize
     calibrated = []
 
@@ -184,12 +174,9 @@ def main():
     finally:
         mtq.quantize = real_quantize
     AutoTokenizer.from_pretrained(job["model_dir"]).save_pretrained(os.path.join(job["output_dir"], "tokenizer"))
-    result = {"packages": versions(), "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-              "state_from": "weights" if job.get("fake_quant") else "calibration",
-              "seconds": round(time.monotonic() - started, 3)}
-    with open(job["result"], "w", encoding="utf-8") as fh:
-        json.dump(result, fh, indent=2)
-    print(json.dumps(result), flush=True)
+    write_result(job, {"packages": versions(), "device": device_name(device),
+                       "state_from": "weights" if job.get("fake_quant") else "calibration",
+                       "seconds": round(time.monotonic() - started, 3)})
 
 
 if __name__ == "__main__":
