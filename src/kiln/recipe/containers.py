@@ -1,9 +1,10 @@
-"""NVIDIA's serving containers and what each ships: one table that picks both the engine runtime image (where
-TensorRT-LLM quantizes and builds) and the serving container (where the engine runs), because an engine only
-loads in a container with the same TensorRT-LLM and TensorRT that built it.
+"""NVIDIA's containers that carry TensorRT-LLM and what each ships: one table that picks both the engine runtime
+image (where TensorRT-LLM quantizes and builds) and the serving container (where the engine runs), because an
+engine only loads in a container with the same TensorRT-LLM and TensorRT that built it; it also holds the Python
+packages each image ships (the image-environment tests build a venv with exactly those).
 
-The facts live in ``data/trtllm_containers.json`` (source: triton-inference-server/server
-``docs/introduction/compatibility.md``, commit in the file). A malformed file fails at import, naming the key.
+The facts live in ``data/trtllm_containers.json``, one row per image (:class:`ContainerRow`), each naming its source
+(``sources`` in the file: repository, path, commit). A malformed file fails at import, naming the key.
 """
 
 from __future__ import annotations
@@ -32,50 +33,83 @@ class ContainerSource(_Data):
         return f"{self.repo} {self.path} @ {self.commit}"
 
 
+Stack = Literal["triton-tensorrtllm", "triton-llmapi", "trtllm-serve", "dynamo"]
+
+
+class ContainerRow(_Data):
+    """One image and what it ships. A newer TensorRT-LLM (or another image carrying one) only adds rows; a field
+    nobody has read from a source is ``None`` (or empty), never guessed."""
+
+    image: str                                  #: the full tag, ``repository:tag``
+    release: str                                #: the image's own release (``26.07``, ``1.3.0rc29``, …)
+    tensorrt_llm: str
+    tensorrt: Optional[str]
+    modelopt: Optional[str]
+    cuda: Optional[str]
+    min_driver: Optional[str]                   #: the minimum host driver (``nvidia-smi``'s driver version)
+    python: Optional[str]
+    python_packages: dict[str, str]             #: what kiln's workers import, as the image ships it
+    stacks: tuple[Stack, ...]                   #: the serving stacks the image carries
+    verified: bool                              #: False: read from a default or a branch, not the release
+    source: str                                 #: a key of the file's ``sources``
+    note: str = ""
+
+
 class _ContainersFile(_Data):
     about: str
-    source: ContainerSource
-    repository: str
-    suffix: str
-    columns: tuple[Literal["release"], Literal["tensorrt_llm"], Literal["tensorrt"]]
-    rows: tuple[tuple[str, str, str], ...]
+    sources: dict[str, ContainerSource]
+    stacks: dict[str, str]
+    rows: tuple[ContainerRow, ...]
 
 
 def _load() -> _ContainersFile:
     text = (resources.files("kiln.recipe") / "data" / CONTAINERS_FILE).read_text(encoding="utf-8")
     try:
-        return _ContainersFile.model_validate_json(text)
+        table = _ContainersFile.model_validate_json(text)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}"
                              for e in exc.errors(include_url=False))
         raise ValueError(f"{CONTAINERS_FILE}: {problems}") from None
+    for i, row in enumerate(table.rows):
+        if row.source not in table.sources:
+            raise ValueError(f"{CONTAINERS_FILE}: rows.{i}.source: {row.source!r} is not a key of 'sources'")
+    return table
 
 
 _TABLE: Final = _load()
-CONTAINERS_SOURCE: Final[ContainerSource] = _TABLE.source
-CONTAINER_REPOSITORY: Final[str] = _TABLE.repository
-CONTAINER_SUFFIX: Final[str] = _TABLE.suffix
+#: Every image kiln knows, oldest first within each repository.
+CONTAINER_ROWS: Final[tuple[ContainerRow, ...]] = _TABLE.rows
+CONTAINER_SOURCES: Final[Mapping[str, ContainerSource]] = MappingProxyType(dict(_TABLE.sources))
+#: The Triton serving images' table (``tritonserver:<yy.mm>-trtllm-python-py3``), the source most rows cite.
+CONTAINERS_SOURCE: Final[ContainerSource] = _TABLE.sources["triton-compat"]
+CONTAINER_REPOSITORY: Final[str] = "nvcr.io/nvidia/tritonserver"
+CONTAINER_SUFFIX: Final[str] = "-trtllm-python-py3"
 
 
-def _tag(release: str) -> str:
-    return f"{CONTAINER_REPOSITORY}:{release}{CONTAINER_SUFFIX}"
+def _triton_rows() -> tuple[ContainerRow, ...]:
+    return tuple(r for r in CONTAINER_ROWS if r.image.startswith(CONTAINER_REPOSITORY + ":"))
 
 
 def _by_version() -> Mapping[str, tuple[str, ...]]:
     table: dict[str, list[str]] = {}
-    for release, trtllm, _tensorrt in _TABLE.rows:
-        table.setdefault(trtllm, []).append(_tag(release))
+    for row in _triton_rows():
+        table.setdefault(row.tensorrt_llm, []).append(row.image)
     return MappingProxyType({version: tuple(tags) for version, tags in table.items()})
 
 
-#: TensorRT-LLM version -> container tags that ship it, oldest first.
+#: TensorRT-LLM version -> Triton serving container tags that ship it, oldest first.
 NGC_CONTAINERS: Final[Mapping[str, tuple[str, ...]]] = _by_version()
 #: Container tag -> TensorRT version inside it (an engine must be built with the same one).
 CONTAINER_TENSORRT: Final[Mapping[str, str]] = MappingProxyType(
-    {_tag(release): tensorrt for release, _trtllm, tensorrt in _TABLE.rows})
+    {r.image: r.tensorrt for r in CONTAINER_ROWS if r.tensorrt})
 #: Container tag -> TensorRT-LLM version inside it.
-CONTAINER_TRTLLM: Final[Mapping[str, str]] = MappingProxyType(
-    {_tag(release): trtllm for release, trtllm, _tensorrt in _TABLE.rows})
+CONTAINER_TRTLLM: Final[Mapping[str, str]] = MappingProxyType({r.image: r.tensorrt_llm for r in CONTAINER_ROWS})
+
+
+def row_for(image: str) -> Optional[ContainerRow]:
+    """The table's row for ``image`` (a digest suffix is ignored); None when the table does not know it."""
+    tag = strip_digest(image)
+    return next((r for r in CONTAINER_ROWS if r.image == tag), None)
 
 
 def container_for(trtllm_version: str) -> str:

@@ -99,7 +99,7 @@ def check_llmapi(m: Model, repo: Path, kiln_info: dict) -> list[Finding]:
     for problem in check_llm_args({k: v for k, v in data.items() if k != "triton_config"}):
         key = problem.split(":", 1)[0]
         findings.append(Finding("error", m.name, file, _line(text, key), problem,
-                                "use the LLM argument's name and type (kiln/triton/data/llm_args.yaml, from "
+                                "use the LLM argument's name and type (kiln/triton/data/llm_args/<version>.yaml, from "
                                 "TensorRT-LLM 1.2.1's llm_args.py); upstream refuses unknown keys at load"))
     tc = data.get("triton_config") if isinstance(data.get("triton_config"), dict) else {}
     cfg_file = str(m.config_path)

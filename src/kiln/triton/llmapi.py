@@ -2,7 +2,7 @@
 
 Two upstream contracts, each kept as data with its source:
 
-- ``data/llm_args.yaml``: the LLM arguments (``tensorrt_llm.LLM``'s TorchLlmArgs, its KV-cache, scheduler, CUDA-graph
+- ``data/llm_args/<version>.yaml``: the LLM arguments of one TensorRT-LLM release (``tensorrt_llm.LLM``'s TorchLlmArgs, its KV-cache, scheduler, CUDA-graph
   and speculative-decoding configs) with their types. :func:`check_llm_args` validates a model.yaml or trtllm-serve
   options mapping against them, strictly (unknown keys and wrong types are errors, as upstream's pydantic classes
   with ``extra="forbid"`` make them on the GPU, only later).
@@ -52,10 +52,24 @@ def _load(name: str) -> dict:
     return yaml.safe_load(resources.files("kiln.triton").joinpath("data", name).read_text(encoding="utf-8"))
 
 
+#: The TensorRT-LLM release whose LLM arguments kiln checks against when none is named.
+DEFAULT_LLM_ARGS_VERSION = "1.2.1"
+
+
+def llm_args_versions() -> tuple[str, ...]:
+    """The TensorRT-LLM releases with an LLM-argument table (``data/llm_args/<version>.yaml``; a new release adds a
+    file)."""
+    folder = resources.files("kiln.triton").joinpath("data", "llm_args")
+    return tuple(sorted(p.name[:-len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml")))
+
+
 @functools.cache
-def llm_args_data() -> dict:
-    """``data/llm_args.yaml``, parsed."""
-    return _load("llm_args.yaml")
+def llm_args_data(version: str = DEFAULT_LLM_ARGS_VERSION) -> dict:
+    """``data/llm_args/<version>.yaml``, parsed. Raises ``LookupError`` naming the versions kiln has tables for."""
+    if version not in llm_args_versions():
+        raise LookupError(f"no LLM-argument table for TensorRT-LLM {version!r} (kiln/triton/data/llm_args/); known: "
+                          f"{', '.join(llm_args_versions())}")
+    return _load(f"llm_args/{version}.yaml")
 
 
 @functools.cache
@@ -88,10 +102,11 @@ def _fields(spec: dict, namespace: dict[str, Any]) -> dict[str, Any]:
 
 
 @functools.cache
-def llm_args_model() -> type[BaseModel]:
-    """A strict pydantic model of TorchLlmArgs built from the data file (nested configs and the speculative-decoding
-    variants included; the variant is picked by ``decoding_type`` as DecodingBaseConfig.from_dict picks it)."""
-    data = llm_args_data()
+def llm_args_model(version: str = DEFAULT_LLM_ARGS_VERSION) -> type[BaseModel]:
+    """A strict pydantic model of TorchLlmArgs built from the version's data file (nested configs and the
+    speculative-decoding variants included; the variant is picked by ``decoding_type`` as
+    DecodingBaseConfig.from_dict picks it)."""
+    data = llm_args_data(version)
     classes = data["classes"]
     namespace: dict[str, Any] = {}
     for name in ("DynamicBatchConfig", "KvCacheConfig", "SchedulerConfig", "CudaGraphConfig"):
@@ -107,23 +122,24 @@ def llm_args_model() -> type[BaseModel]:
     return create_model("TorchLlmArgs", __config__=_STRICT, **_fields(classes["TorchLlmArgs"]["fields"], namespace))
 
 
-def check_llm_args(args: dict) -> list[str]:
+def check_llm_args(args: dict, version: str = DEFAULT_LLM_ARGS_VERSION) -> list[str]:
     """Every problem of ``args`` (a model.yaml without ``triton_config``, or trtllm-serve options with ``model``)
-    against TensorRT-LLM 1.2.1's LLM arguments: unknown keys, wrong types, a speculative-decoding type the PyTorch
-    backend refuses or a variant missing what it needs. Each names the dotted key."""
+    against TensorRT-LLM ``version``'s LLM arguments: unknown keys, wrong types, a speculative-decoding type the
+    PyTorch backend refuses or a variant missing what it needs. Each names the dotted key."""
     problems: list[str] = []
+    data = llm_args_data(version)
     try:
-        llm_args_model().model_validate(args)
+        llm_args_model(version).model_validate(args)
     except ValidationError as exc:
         for e in exc.errors():
             loc = [str(p) for p in e["loc"]]
-            if len(loc) > 1 and loc[0] == "speculative_config" and loc[1] in llm_args_data()["speculative"]["variants"]:
+            if len(loc) > 1 and loc[0] == "speculative_config" and loc[1] in data["speculative"]["variants"]:
                 loc.pop(1)  # the discriminator's branch name, not a key the user wrote
             where = ".".join(loc) or "(top)"
-            msg = "unknown key (not an LLM argument of TensorRT-LLM 1.2.1)" if e["type"] == "extra_forbidden" \
+            msg = f"unknown key (not an LLM argument of TensorRT-LLM {version})" if e["type"] == "extra_forbidden" \
                 else e["msg"]
             problems.append(f"{where}: {msg}")
-    spec = llm_args_data()["speculative"]
+    spec = data["speculative"]
     sc = args.get("speculative_config")
     if isinstance(sc, dict) and sc.get(spec["dispatch_key"]) in spec["variants"]:
         variant = spec["variants"][sc[spec["dispatch_key"]]]
