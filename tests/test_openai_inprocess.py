@@ -161,3 +161,29 @@ def test_backend_streams_internally_for_stop_and_logprobs_and_maps_the_extension
         with pytest.raises(APIError) as info:
             backend._request(req, "x", 4, bare)
         assert info.value.status == 400 and info.value.param == param
+
+
+# ============================================================================ ports from the running kiln serve
+def test_infer_and_bench_use_the_running_kiln_serves_ports(tmp_path, monkeypatch, kiln) -> None:
+    """The state file `kiln serve` writes (build/.serve/<repo>.json) is where infer and bench find the server."""
+    import os
+
+    from kiln.serve.session import serving_urls
+    from kiln.util.errors import InputError
+
+    monkeypatch.chdir(tmp_path)
+    assert serving_urls() is None, "none running: the callers fall back to the default ports"
+    state_dir = tmp_path / "build" / ".serve"
+    state_dir.mkdir(parents=True)
+    urls = {"http": "http://127.0.0.1:1", "grpc": "127.0.0.1:2", "metrics": "http://127.0.0.1:3/metrics",
+            "openai": "http://127.0.0.1:4/v1"}
+    (state_dir / "repo.json").write_text(json.dumps({"pid": os.getpid(), "repo": str(tmp_path / "repo"),
+                                                     "urls": urls}))
+    (state_dir / "gone.json").write_text(json.dumps({"pid": 2**22 + 12345, "urls": {"grpc": "x"}}))
+    assert serving_urls() == urls and serving_urls(tmp_path / "repo") == urls
+    with pytest.raises(InputError, match="no kiln serve is running for"):
+        serving_urls(tmp_path / "gone")
+    result = kiln("bench", "--openai", "--duration", "1", "--concurrency", "1")
+    assert result.exit_code != 0 and "http://127.0.0.1:4/v1" in result.output, result.output
+    result = kiln("infer", "hi", "--max-tokens", "1")
+    assert result.exit_code != 0 and "127.0.0.1:2" in result.output, result.output
