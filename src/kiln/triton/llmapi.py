@@ -17,6 +17,7 @@ every engine and serving key of a recipe, what it becomes on this target (``kiln
 
 from __future__ import annotations
 
+import copy
 import functools
 import typing
 from dataclasses import dataclass
@@ -69,7 +70,30 @@ def llm_args_data(version: str = DEFAULT_LLM_ARGS_VERSION) -> dict:
     if version not in llm_args_versions():
         raise LookupError(f"no LLM-argument table for TensorRT-LLM {version!r} (kiln/triton/data/llm_args/); known: "
                           f"{', '.join(llm_args_versions())}")
-    return _load(f"llm_args/{version}.yaml")
+    data = _load(f"llm_args/{version}.yaml")
+    base = data.pop("extends", None)
+    if base is None:
+        return data
+    # a release whose arguments are another's plus `changes` (its own `pinned`, `sources` and caveat)
+    merged = copy.deepcopy(llm_args_data(str(base)))
+    changes = data.pop("changes", None) or {}
+    for name, spec in (changes.get("classes") or {}).items():
+        fields = merged["classes"].setdefault(name, {"fields": {}})["fields"]
+        for field, value in (spec.get("fields") or {}).items():
+            if value is None:
+                fields.pop(field, None)  # removed in this release
+            else:
+                fields[field] = value
+    merged.update(data)
+    return merged
+
+
+def llm_args_version(recipe: Recipe) -> str:
+    """The TensorRT-LLM release whose LLM arguments a recipe's files are checked against: its
+    ``engine_runtime.trtllm_version`` (``LookupError`` when kiln has no table for it)."""
+    version = recipe.engine_runtime.trtllm_version.strip()
+    llm_args_data(version)
+    return version
 
 
 @functools.cache
