@@ -404,7 +404,8 @@ class EngineRuntimeSection(Section):
     """GPUs the container sees: `all`, or device indices such as `0,1`."""
 
     shm_size: str = "2g"
-    """Shared memory for the container (`--shm-size`), as NVIDIA's TensorRT-LLM container docs give it."""
+    """Shared memory for the container (`--shm-size`), as NVIDIA's TensorRT-LLM container docs give it (docker only:
+    podman refuses `--shm-size` with `--ipc=host`, under which the host's /dev/shm is shared)."""
 
     python: Optional[str] = None
     """`kind: local`: the Python interpreter (or venv directory) that has tensorrt_llm. Empty: `python3` on PATH."""
