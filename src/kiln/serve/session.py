@@ -180,6 +180,27 @@ def running(state_dir: Path = STATE_DIR) -> list[tuple[Path, dict]]:
     return out
 
 
+def serving_urls(repo: Optional[Path] = None, state_dir: Path = STATE_DIR) -> Optional[dict]:
+    """Where the running ``kiln serve`` answers (its state file's ``urls``: http, grpc, metrics, openai when on):
+    REPO's when given (an error when none runs for it), else the only one running; None when none runs (the
+    caller falls back to the schema's default ports)."""
+    if repo is not None:
+        f = state_file_for(repo, state_dir)
+        try:
+            state = json.loads(f.read_text()) if f.is_file() else None
+        except ValueError:
+            state = None
+        if not state or not _alive(state.get("pid")):
+            raise InputError(f"--serving {repo}: no kiln serve is running for it (start one: kiln serve {repo} "
+                             "--background)")
+        return state["urls"]
+    live = [(f, state) for f, state in running(state_dir) if _alive(state.get("pid"))]
+    if len(live) > 1:
+        raise InputError("several kiln serve are running (" + ", ".join(str(st.get("repo")) for _, st in live) +
+                         "): pick one with --serving REPO")
+    return live[0][1].get("urls") if live else None
+
+
 def stop_background(state_file: Path, timeout_s: float = 30) -> bool:
     """SIGTERM the background `kiln serve` (it stops its server and cleans up); SIGKILL its group if it hangs.
     Returns False when nothing was running."""

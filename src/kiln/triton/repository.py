@@ -219,6 +219,7 @@ def trtllm_config(r: Recipe, name: str, max_seq_len: int, engine_cfg: dict, kv_t
         "cancellation_check_period_ms": 100,
     }
     if reference:
+        add_prompt_scoring(c)
         b = engine_cfg["build_config"]
         ref_tokens = s.max_tokens_in_paged_kv_cache or b["max_batch_size"] * b["max_seq_len"]
         set_parameters(c, {**common,
@@ -253,6 +254,21 @@ def trtllm_config(r: Recipe, name: str, max_seq_len: int, engine_cfg: dict, kv_t
             c.parameters[key].string_value = ""
     set_logits_type(c, logits_type(engine_cfg))
     return c
+
+
+#: kiln's prompt-scoring extension of the reference runtime's tensorrt_llm contract (the OpenAI server's echo /
+#: loglikelihood requests; see the reference model's docstring): input -> outputs.
+PROMPT_SCORING = ("return_prompt_log_probs", (("prompt_log_probs", "TYPE_FP32"), ("prompt_top_ids", "TYPE_INT32"),
+                                              ("prompt_top_log_probs", "TYPE_FP32")))
+
+
+def add_prompt_scoring(c) -> None:
+    """Declare :data:`PROMPT_SCORING` on a reference tensorrt_llm config (an optional input and three outputs)."""
+    name, outputs = PROMPT_SCORING
+    t = c.input.add(name=name, data_type=mc.TYPE_BOOL, dims=[1], optional=True)
+    t.reshape.SetInParent()  # reshape: [ ] (a scalar per request), as upstream declares its flags
+    for out, dtype in outputs:
+        c.output.add(name=out, data_type=mc.DataType.Value(dtype), dims=[-1])
 
 
 def ensemble_config(r: Recipe, trt_inputs: set[str], trt_outputs: set[str]):
