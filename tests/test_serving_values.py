@@ -148,20 +148,29 @@ def ports(key: str, cli: str, port_name: str) -> Row:
                                              if p["name"] == port_name)), same),
     }
     llmapi = dict(files)
-    if key == "http_port":  # trtllm-serve's OpenAI endpoints listen on the HTTP port
+    if key == "http_port":  # trtllm-serve's and Dynamo's frontend's OpenAI endpoints listen on the HTTP port
         llmapi["trtllm-serve/serve.sh"] = ((lambda f: flag(f.exec_words("trtllm-serve/serve.sh"), "--port")), text)
+        llmapi["dynamo/k8s frontend"] = ((lambda f: flag(next(
+            c for d in f.yaml("dynamo/k8s/graph-aggregated.yaml", "deploy") if d["kind"] == "DynamoGraphDeployment"
+            for c in d["spec"]["components"] if c["name"] == "Frontend")["podTemplate"]["spec"]["containers"][0]
+            ["command"], "--http-port")), text)
     return Row({"http_port": 18100, "grpc_port": 18101, "metrics_port": 18102}[key],
                {"ensemble": files, "llmapi": llmapi})
 
 
-LLM_FILES = ("model.yaml", "trtllm-serve/llm_options.yaml")
-
-
 def llm_arg(*path: str, expect: Expect = same) -> dict[str, tuple[Reader, Expect]]:
-    """An LLM argument: in model.yaml and in trtllm-serve's --extra_llm_api_options file."""
+    """An LLM argument: in model.yaml, trtllm-serve's --extra_llm_api_options file and Dynamo's LLM options."""
     return {"model.yaml": ((lambda f: dig(f.yaml("tensorrt_llm/1/model.yaml"), *path)), expect),
-            "trtllm-serve/llm_options.yaml": ((lambda f: dig(f.yaml("trtllm-serve/llm_options.yaml", "deploy"), *path)),
-                                              expect)}
+            **{rel: ((lambda f, rel=rel: dig(f.yaml(rel, "deploy"), *path)), expect)
+               for rel in ("trtllm-serve/llm_options.yaml", "dynamo/llm_options.yaml")}}
+
+
+def dynamo_workers(graph: str, component: str) -> dict[str, tuple[Reader, Expect]]:
+    """Replicas of a worker component of a Dynamo DynamoGraphDeployment."""
+    def read(f: Files) -> Any:
+        doc = next(d for d in f.yaml(f"dynamo/k8s/{graph}", "deploy") if d["kind"] == "DynamoGraphDeployment")
+        return next(c["replicas"] for c in doc["spec"]["components"] if c["name"] == component)
+    return {f"dynamo/k8s/{graph}": (read, same)}
 
 
 def pytorch(key: str) -> str:
@@ -257,6 +266,12 @@ ROWS: dict[str, Row] = {
         "k8s deployment": ((lambda f: any(c["name"] == "openai" for c in f.k8s("Deployment")["spec"]["template"]
                                           ["spec"]["containers"])), same)}},
         {"llmapi": pytorch("openai_sidecar")}, alone={}),
+    "dynamo_workers": Row(3, {"llmapi": dynamo_workers("graph-aggregated.yaml", "TRTLLMWorker")},
+                          {"ensemble": "Dynamo deploy files are target pytorch's"}),
+    "dynamo_prefill_workers": Row(2, {"llmapi": dynamo_workers("graph-disaggregated.yaml", "prefill")},
+                                  {"ensemble": "Dynamo deploy files are target pytorch's"}),
+    "dynamo_decode_workers": Row(4, {"llmapi": dynamo_workers("graph-disaggregated.yaml", "decode")},
+                                 {"ensemble": "Dynamo deploy files are target pytorch's"}),
     "openai_image": Row("registry.example/kiln-openai:1", {"ensemble": {
         "docker-compose.yml openai": ((lambda f: f.compose()["openai"]["image"]), lambda v: v or IMAGE_DEFAULT),
         "k8s deployment openai": ((lambda f: f.container("openai")["image"]), lambda v: v or IMAGE_DEFAULT)}},
@@ -301,7 +316,10 @@ def package(layout: str, overrides: list[str], tmp: Path, tokenizer: Path) -> tu
     if info["container"]:  # the GPU's deploy files (package writes none for the CPU runtimes)
         write_deploy_files(DeployInfo.from_recipe(recipe, info["container"]), deploy, model_repo=repo)
         if layout == "llmapi":
+            from kiln.triton.deploy.dynamo import DynamoDeploy, dynamo_image, write_dynamo_files
+
             write_trtllm_serve_files(recipe, info, deploy)
+            write_dynamo_files(DynamoDeploy.from_recipe(recipe, dynamo_image(recipe)), info["llm_args"], deploy)
     return recipe, Files(repo, deploy)
 
 
