@@ -265,7 +265,10 @@ def test_an_authenticated_registry_takes_the_usual_credentials_and_never_shows_t
         assert statuses(b)["quantize"] == "pulled"
     finally:
         reg.stop()
-    forms = [secret, base64.b64encode(f"kiln:{secret}".encode()).decode()]
+    # every secret this test sent (the wrong one too), raw and as Basic sends it
+    forms = [form for sent in (secret, secret + "-wrong")
+             for form in (sent, base64.b64encode(f"kiln:{sent}".encode()).decode(),
+                          base64.b64encode(sent.encode()).decode())]
     for blob in (text.getvalue(), wrong_text.getvalue(), ok_text.getvalue(), str(wrong.failure)):
         assert not any(f in blob for f in forms)
     for path in [*tmp_path.rglob("manifest.json"), *reg.storage.rglob("data")]:

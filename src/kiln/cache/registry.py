@@ -50,6 +50,8 @@ def _reason(exc: Exception) -> str:
         return found.group(1).strip()
     if isinstance(exc, requests.exceptions.Timeout):
         return "timed out"
+    if isinstance(exc, requests.exceptions.ChunkedEncodingError):
+        return "the connection closed before the whole body arrived"
     return type(exc).__name__
 
 
@@ -194,7 +196,8 @@ class Registry:
                 data += chunk
                 if len(data) > MAX_MANIFEST:
                     raise too_big
-        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
+        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout,
+                requests.exceptions.ChunkedEncodingError) as exc:
             raise UnreachableError(f"registry {self.ref.host}: reading manifest {reference} broke off: "
                                    f"{_reason(exc)}") from None
         finally:
@@ -276,7 +279,8 @@ class Registry:
                 worker.put(chunk)
                 if worker.received > size:
                     break
-        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
+        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout,
+                requests.exceptions.ChunkedEncodingError) as exc:  # the last: the body ended short
             worker.close()
             raise UnreachableError(f"registry {self.ref.host}: download of {digest} broke off: {_reason(exc)}") \
                 from None
