@@ -80,8 +80,36 @@ def write_job_file(job_dir: Path, name: str, content: Mapping[str, Any]) -> Path
 # ------------------------------------------------------------------------------------------------ quantize
 
 
+def hub_snapshot(model_dir: Path) -> Optional[tuple[Path, str]]:
+    """For a Hugging Face hub cache snapshot (``…/models--org--name/snapshots/<rev>``) or its repository folder:
+    (the repository folder, the snapshot's path in it). None for any other directory.
+
+    A snapshot's files are relative symlinks ``../../blobs/<etag>``: mounting the snapshot alone leaves them
+    dangling in a container, so jobs mount the repository folder and read the snapshot inside it."""
+    if model_dir.parent.name == "snapshots" and model_dir.parent.parent.name.startswith("models--"):
+        return model_dir.parent.parent, f"snapshots/{model_dir.name}"
+    if model_dir.name.startswith("models--") and (model_dir / "refs" / "main").is_file():
+        revision = (model_dir / "refs" / "main").read_text(encoding="utf-8").strip()
+        return model_dir, f"snapshots/{revision}"
+    if model_dir.name.startswith("models--"):  # not downloaded yet (--dry-run): the folder the run will mount
+        return model_dir, "snapshots/<revision>"
+    return None
+
+
+def model_mount(model_dir: Path) -> Mount:
+    """The read-only mount that makes the model's files real inside the runtime (see :func:`hub_snapshot`)."""
+    hub = hub_snapshot(model_dir)
+    return Mount(hub[0] if hub else model_dir, f"{IN}/model")
+
+
+def model_path(paths: Mapping[str, str], model_dir: Path) -> str:
+    """Where the job reads the model: the mount itself, or the snapshot inside a mounted hub repository folder."""
+    hub = hub_snapshot(model_dir)
+    return f"{paths['model']}/{hub[1]}" if hub else paths["model"]
+
+
 def quantize_mounts(model_dir: Path, calib_dir: Path, out_dir: Path) -> dict[str, Mount]:
-    return {"model": Mount(model_dir, f"{IN}/model"), "calib": Mount(calib_dir, f"{IN}/calib"),
+    return {"model": model_mount(model_dir), "calib": Mount(calib_dir, f"{IN}/calib"),
             "job": _job_mount(out_dir / "job"), "out": Mount(out_dir, OUT, False)}
 
 
