@@ -2,9 +2,9 @@
 
 Two tasks, one per kind of request lm-eval sends to an OpenAI-compatible endpoint:
 
-- ``tiny-python-lines`` (``generate_until``): a few lines of standard-library source and the first part of the
-  next line; the model completes the line (greedy, stopped at the line end) and is right when its completion is
-  exactly the rest of the line (``exact_match``).
+- ``tiny-python-nextword`` (``generate_until``): a few lines of standard-library source and the first part of the
+  next line; the model continues it (greedy, stopped at the line end) and is right when the first word it writes is
+  the line's next word (``exact_match`` after a regex filter that keeps the first word).
 - ``tiny-python-nextline`` (``multiple_choice``, scored by loglikelihood): a few lines of source and four
   candidate next lines (the true one and three lines from other documents); the model is right when the true line
   is the most likely (``acc``).
@@ -59,7 +59,7 @@ def _lines_items() -> list[dict]:
         if not spaces:
             continue
         cut = spaces[len(spaces) // 2]
-        items.append({"prompt": context + "\n" + line[:cut], "target": line[cut:].strip()})
+        items.append({"prompt": context + "\n" + line[:cut], "target": line[cut:].split()[0]})
         if len(items) == ITEMS:
             break
     return items
@@ -87,8 +87,8 @@ def _nextline_items() -> list[dict]:
 
 
 _YAML = {
-    "tiny-python-lines": """\
-# kiln built-in task (kiln.models.tasks): complete a line of Python standard-library source.
+    "tiny-python-nextword": """\
+# kiln built-in task (kiln.models.tasks): the next word of a line of Python standard-library source.
 task: {task}
 dataset_path: json
 dataset_kwargs:
@@ -100,13 +100,14 @@ doc_to_text: "{{{{prompt}}}}"
 doc_to_target: "{{{{target}}}}"
 generation_kwargs:
   until: ["\\n"]
-  max_gen_toks: 24
+  max_gen_toks: 12
   do_sample: false
   temperature: 0
 filter_list:
-  - name: strip
+  - name: first_word
     filter:
-      - function: remove_whitespace
+      - function: regex
+        regex_pattern: '^\\s*(\\S+)'
       - function: take_first
 metric_list:
   - metric: exact_match
@@ -139,16 +140,16 @@ metadata:
 
 
 def task_name(name: str) -> str:
-    """The lm-eval task name of a built-in task (``tiny-python-lines`` → ``kiln_tiny_python_lines``)."""
+    """The lm-eval task name of a built-in task (``tiny-python-nextword`` → ``kiln_tiny_python_nextword``)."""
     return "kiln_" + name.replace("-", "_")
 
 
 def builtin_items(name: str) -> list[dict]:
-    if name == "tiny-python-lines":
+    if name == "tiny-python-nextword":
         return _lines_items()
     if name == "tiny-python-nextline":
         return _nextline_items()
-    raise InputError(f"unknown built-in task builtin:{name}; known: builtin:tiny-python-lines, "
+    raise InputError(f"unknown built-in task builtin:{name}; known: builtin:tiny-python-nextword, "
                      "builtin:tiny-python-nextline")
 
 

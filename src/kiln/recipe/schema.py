@@ -21,7 +21,7 @@ HF_PREFIX = "hf:"
 BUILTIN_MODELS = ("tiny-llama",)
 BUILTIN_DATASETS = ("tiny-llama-calib", "tiny-llama-heldout")
 #: The lm-eval tasks kiln ships for the built-in model (made from text that ships with Python: kiln.models.tasks).
-BUILTIN_TASKS = ("tiny-python-lines", "tiny-python-nextline")
+BUILTIN_TASKS = ("tiny-python-nextword", "tiny-python-nextline")
 
 # Format and target names come from the format registry (kiln/recipe/data/formats.yaml): a format added there
 # is a valid recipe value without a change here.
@@ -180,7 +180,7 @@ class TaskDefaults(Section):
 
 class TaskEntry(Section):
     task: str
-    """`builtin:tiny-python-lines`, `builtin:tiny-python-nextline`, or the path of an lm-eval task YAML (one task;
+    """`builtin:tiny-python-nextword`, `builtin:tiny-python-nextline`, or the path of an lm-eval task YAML (one task;
     `dataset_path` a local loader — json, csv, parquet, text — over `dataset_kwargs.data_files`, paths relative to
     the YAML). The YAML and its data files are hashed into the `tasks` step's fingerprint."""
 
@@ -232,7 +232,7 @@ class EvaluationSection(DataSource):
 
     tasks: tuple[TaskEntry, ...] = ()
     """Task-accuracy gate: lm-eval tasks run against the served quantized model and the served unquantized baseline
-    (the `tasks` step, after `package`). Each is a built-in task (`builtin:tiny-python-lines`, a generate_until
+    (the `tasks` step, after `package`). Each is a built-in task (`builtin:tiny-python-nextword`, a generate_until
     task; `builtin:tiny-python-nextline`, a loglikelihood multiple-choice task) or an lm-eval task YAML over local
     data files. Empty: no task gate."""
 

@@ -2,7 +2,7 @@
 
 After ``package``, for the recipe's ``evaluation.tasks``:
 
-1. every task is written into the step's output as an lm-eval task directory (``tasks/<n>-<name>/``: the task YAML
+1. every task is written into the step's output as an lm-eval task directory (``lm_eval/<n>-<name>/``: the task YAML
    with its data files beside it — a built-in task made from text that ships with Python, or a copy of the user's
    YAML and local data files, hashed into the fingerprint);
 2. the packaged repository and the unquantized **baseline** (the same recipe with ``quantization.format: none``,
@@ -41,7 +41,7 @@ from kiln.steps.base import Gate, StepContext, StepResult, StepSpec
 from kiln.util.errors import InputError, KilnError
 
 TASKS_FILE = "tasks.json"
-TASKS_DIR = "tasks"
+TASKS_DIR = "lm_eval"
 BASELINE_SUFFIX = ".baseline"
 #: lm-eval dataset loaders that read local files (anything else would reach for the hub).
 LOCAL_LOADERS = ("json", "csv", "parquet", "text", "arrow")
@@ -276,13 +276,20 @@ def baseline_recipe(loaded: LoadedRecipe) -> Optional[LoadedRecipe]:
 
 
 def _lm_eval_version() -> str:
+    """lm-eval's version, checked before anything is served: it and its API models' packages must be installed."""
     from importlib import metadata
+    from importlib.util import find_spec
 
+    fix = (f"install kiln's `eval` extra (lm-eval[api]=={LM_EVAL_PIN}: pip install -e '.[eval]'; `make` does), or "
+           "leave evaluation.tasks empty")
     try:
-        return metadata.version(LM_EVAL)
+        version = metadata.version(LM_EVAL)
     except metadata.PackageNotFoundError:
-        raise KilnError(f"the task gate needs lm-eval {LM_EVAL_PIN} (evaluation.tasks is set): install kiln's "
-                        f"`eval` extra (pip install -e '.[eval]'; `make` does), or leave evaluation.tasks empty") from None
+        raise KilnError(f"the task gate needs lm-eval {LM_EVAL_PIN} (evaluation.tasks is set): {fix}") from None
+    missing = [m for m in ("tenacity", "aiohttp", "requests") if find_spec(m) is None]
+    if missing:
+        raise KilnError(f"lm-eval's local-completions model needs {', '.join(missing)}: {fix}")
+    return version
 
 
 @contextlib.contextmanager
@@ -394,9 +401,17 @@ def run_tasks(ctx: StepContext) -> TasksResult:
             limit, fewshot, _ = task_settings(r, t.entry)
             t0 = time.perf_counter()
             with ctx.status(f"lm-eval {t.name} ({t.output_type}) on the {which} model"):
-                scores[(t.name, which)] = run_lm_eval(
-                    t, ep.url, ep.model, tokenizer, limit, fewshot, concurrency, max_length,
-                    r.serving.add_special_tokens, t.directory / f"{which}.samples.jsonl")
+                try:
+                    scores[(t.name, which)] = run_lm_eval(
+                        t, ep.url, ep.model, tokenizer, limit, fewshot, concurrency, max_length,
+                        r.serving.add_special_tokens, t.directory / f"{which}.samples.jsonl")
+                except KilnError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - lm-eval's and the endpoint's failures, named, no traceback
+                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                    raise KilnError(f"lm-eval failed on {t.name} ({t.output_type}) against the {which} model at "
+                                    f"{ep.url}: {type(exc).__name__}: {first[:500]}; the servers' logs are in "
+                                    f"{ctx.final_dir or out}/logs") from exc
             value, n = scores[(t.name, which)]
             ctx.log(f"  {t.name} on the {which} model: {t.metric} {value:.4f} over {n} documents "
                     f"({time.perf_counter() - t0:.1f} s)")
