@@ -167,3 +167,114 @@ def test_sweep_tables_show_task_accuracy():
                        {"point": 1, "label": "fp8", "status": "ok"}])
     assert rows[0]["task_accuracy"] == "kiln_tiny_python_nextword 0.250 (base 0.500)"
     assert rows[0]["max_task_drop_pts"] == 25.0 and rows[1]["task_accuracy"] is None
+
+
+# ------------------------------------------------------------------ the real thing: lm-eval against served models
+# The session's default build and tritonserver (conftest) are the quantized side: kiln's OpenAI server is put in front
+# of that server and announced like a running `kiln serve --openai` (its state file), so the gate reuses it; the gate
+# builds the unquantized baseline (tiny-llama.baseline, up to package) and serves it with a tritonserver of its own.
+
+PARTING_YAML = """\
+task: kiln_parting_prompts
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: items.jsonl
+test_split: test
+output_type: generate_until
+doc_to_text: "{{prompt}}"
+doc_to_target: "{{target}}"
+generation_kwargs:
+  until: ["</s>"]
+  max_gen_toks: %d
+  do_sample: false
+  temperature: 0
+metric_list:
+  - metric: exact_match
+"""
+
+
+@pytest.fixture(scope="module")
+def parting_task(tmp_path_factory, hf_greedy):
+    """A generate_until task made of the served-greedy prompts (test_served_greedy: INT4 AWQ and the unquantized
+    model part ways on some of them), each target the unquantized model's greedy continuation (Hugging Face
+    generate): the baseline must score 1, the quantized model less. Returns (task YAML, documents, parting)."""
+    from test_served_greedy import MAX_TOKENS, PROMPTS
+
+    items = [{"prompt": p, "target": hf_greedy(p, MAX_TOKENS, quantized=False)} for p in PROMPTS]
+    parting = sum(hf_greedy(p, MAX_TOKENS) != item["target"] for p, item in zip(PROMPTS, items))
+    assert 0 < parting < len(PROMPTS), "precondition: some prompts must part the two models, some not"
+    directory = tmp_path_factory.mktemp("parting-task")
+    (directory / "items.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
+    (directory / "task.yaml").write_text(PARTING_YAML % MAX_TOKENS)
+    return directory / "task.yaml", len(PROMPTS), parting
+
+
+def _tasks(parting_yaml: Path, parting_drop: float) -> str:
+    return ('evaluation.tasks=[{"task": "builtin:tiny-python-nextword", "limit": 10}, '
+            f'{{"task": "{parting_yaml}", "max_accuracy_drop_pct": {parting_drop}}}]')
+
+
+def test_the_parting_prompts_part_the_served_models(parting_task, default_server):
+    """The fixture's precondition, first, so that --durations shows the gate's own cost on the next test's setup."""
+    _, documents, parts = parting_task
+    assert 0 < parts < documents
+
+
+# the shipped tiny-llama-tasks.yaml's gate, on the default recipe (so its package is the session's served one)
+GATE = "evaluation.task_defaults.max_accuracy_drop_pct=10"
+
+
+@pytest.fixture(scope="module")
+def gate_run(default_build, default_server, parting_task):
+    from kiln.serve.openai import OpenAIConfig, OpenAIServer
+    from kiln.serve.server import free_port
+
+    _, layout, repo = default_build
+    front = OpenAIServer(OpenAIConfig(triton_url=default_server.urls()["grpc"], repo=repo, port=free_port()))
+    front.start()
+    state = layout.build_root / ".serve" / "tiny-llama.json"
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps({"pid": os.getpid(), "repo": str(repo.resolve()),
+                                 "urls": {"openai": f"{front.cfg.url}/v1"}}))
+    try:
+        loaded = load_recipe(RECIPE, (_tasks(parting_task[0], 100), GATE))
+        yield loaded, layout, runner.run(loaded, layout, progress=False)
+    finally:
+        state.unlink()
+        front.stop()
+
+
+def test_the_default_recipe_with_a_builtin_task_passes_the_gate(gate_run, parting_task):
+    loaded, layout, summary = gate_run
+    assert summary.failure is None, summary.failure
+    outcome = next(o for o in summary.outcomes if o.name == "tasks")
+    assert outcome.status == runner.Status.RAN and [o.status for o in summary.outcomes[:-1]] == ["skipped"] * 5
+    result = outcome.result
+    assert "quantized: reused the running kiln serve" in result.served
+    assert "baseline: tritonserver here" in result.served and result.baseline_repo.endswith("tiny-llama.baseline")
+    nextword, parting = result.tasks
+    assert (nextword.name, nextword.samples) == ("kiln_tiny_python_nextword", 10)
+    assert [g.passed for g in outcome.gates] == [True, True]
+    # the parting prompts: the baseline is the unquantized model, the quantized side really is INT4 AWQ
+    _, documents, parts = parting_task
+    assert (parting.samples, parting.baseline) == (documents, 1.0)
+    assert parting.quantized == pytest.approx((documents - parts) / documents, abs=1e-6)
+    stored = json.loads((layout.build_root / "tiny-llama" / "tasks" / "tasks.json").read_text())
+    assert [t["quantized"] for t in stored["tasks"]] == [nextword.quantized, parting.quantized]
+
+
+def test_a_zero_threshold_where_the_models_part_fails_the_build_with_both_accuracies(gate_run, parting_task, kiln,
+                                                                                       tmp_path):
+    _, layout, _ = gate_run
+    _, documents, parts = parting_task
+    result = kiln("build", RECIPE, "--set", _tasks(parting_task[0], 0), "--set", GATE, "--build-dir",
+                  layout.build_root, "--repo-dir", layout.repo_root, "--junit", tmp_path / "junit.xml")
+    assert result.exit_code == 1, result.output
+    quantized = (documents - parts) / documents
+    assert f"exact_match 1.0000 unquantized → {quantized:.4f} quantized" in result.output
+    assert "gate is 0 points: raise evaluation.tasks[1].max_accuracy_drop_pct" in result.output
+    assert "tasks     skipped" in result.output  # a threshold is re-checked on the stored figures, nothing re-runs
+    suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
+    failed = [c.get("name") for c in suite.iter("testcase") if c.find("failure") is not None]
+    assert failed == ["task accuracy kiln_parting_prompts (evaluation.tasks[1].max_accuracy_drop_pct)"]
