@@ -7,6 +7,8 @@ For the steps a run will execute, ``kiln build`` checks:
   format does not run on, or another GPU than the recipe's ``hardware.gpu`` (an engine is built for one);
 * the engine runtime itself: the container engine and its daemon, the image present locally (or the exact pull
   command), or the local interpreter;
+* the host's NVIDIA driver (``nvidia-smi``) against the image's minimum (the container table's ``min_driver``): an
+  older driver cannot run the image's CUDA, and fails only once the first job starts;
 * free disk for the checkpoint and the engine (from the planner's weight bytes);
 * a Hugging Face token for gated models that are not already downloaded.
 
@@ -20,11 +22,12 @@ import shutil
 from pathlib import Path
 from typing import Iterable, Optional
 
+from kiln.recipe.containers import row_for
 from kiln.recipe.formats import format_refusal, kv_refusal
-from kiln.recipe.gpus import detected_gpu_names, lookup_gpu
+from kiln.recipe.gpus import detected_gpu_names, driver_older, host_driver_version, lookup_gpu
 from kiln.recipe.loader import LoadedRecipe
 from kiln.recipe.schema import HF_PREFIX, Recipe
-from kiln.runtime.engine_runtime import engine_runtime_for
+from kiln.runtime.engine_runtime import engine_runtime_for, runtime_image
 from kiln.steps.runtime_jobs import uses_engine_runtime
 from kiln.util.errors import KilnError
 
@@ -60,6 +63,7 @@ def check(loaded: LoadedRecipe, steps: list[str], build_root: Path) -> list[str]
     in_runtime = runtime_steps(recipe, steps)
     if in_runtime:
         problems += _gpu_problems(recipe, in_runtime)
+        problems += _driver_problems(recipe)
         problems += engine_runtime_for(recipe, build_root).problems()
     problems += _disk_problems(loaded, steps, build_root)
     problems += _token_problems(recipe, steps)
@@ -92,6 +96,21 @@ def _gpu_problems(recipe: Recipe, in_runtime: list[str]) -> list[str]:
             problems.append(f"{key}: {refusal.reason} on this machine's {here.name}" +
                             (f"; {refusal.hint}" if refusal.hint else ""))
     return problems
+
+
+def _driver_problems(recipe: Recipe) -> list[str]:
+    """The host driver against the container image's minimum (nothing to say without a driver: no GPU was already
+    reported; nor for a local runtime or an image the table does not know, whose CUDA kiln cannot tell)."""
+    if recipe.engine_runtime.kind != "container":
+        return []
+    image = runtime_image(recipe)
+    row = row_for(image)
+    have = host_driver_version()
+    if row is None or row.min_driver is None or have is None or not driver_older(have, row.min_driver):
+        return []
+    return [f"this machine's NVIDIA driver is {have}, and {image} (CUDA {row.cuda or '?'}) needs driver "
+            f"{row.min_driver} or later (kiln's container table, trtllm_containers.json): update the driver, or set "
+            "engine_runtime.image / engine_runtime.trtllm_version to an image whose CUDA this driver runs"]
 
 
 def weight_bytes(loaded: LoadedRecipe) -> Optional[int]:

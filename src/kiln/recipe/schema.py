@@ -424,6 +424,18 @@ class ServingSection(Section):
     """Image of the OpenAI sidecar: one with kiln installed. Empty: `kiln-openai:<kiln version>`, built from the
     serving image with the `Dockerfile.openai` kiln writes beside the deploy files."""
 
+    dynamo_workers: Annotated[int, Field(ge=1, le=256)] = 1
+    """Dynamo (target pytorch): TensorRT-LLM workers of the aggregated DynamoGraphDeployment, each tp × pp GPUs; the
+    frontend's router spreads requests over them."""
+
+    dynamo_prefill_workers: Annotated[int, Field(ge=1, le=256)] = 1
+    """Dynamo, disaggregated serving: prefill workers (each tp × pp GPUs). Default 1 prefill : 1 decode, the split
+    of Dynamo 1.6.1's planner profile for one model on one GPU each (dynamo/planner/tests/data/profiling_results/
+    H200_TP1P_TP1D); size it from your own profile (prefill-heavy traffic: more prefill workers)."""
+
+    dynamo_decode_workers: Annotated[int, Field(ge=1, le=256)] = 1
+    """Dynamo, disaggregated serving: decode workers (each tp × pp GPUs)."""
+
 
 class EngineRuntimeSection(Section):
     kind: Literal["container", "local"] = "container"
@@ -448,7 +460,8 @@ class EngineRuntimeSection(Section):
     """GPUs the container sees: `all`, or device indices such as `0,1`."""
 
     shm_size: str = "2g"
-    """Shared memory for the container (`--shm-size`), as NVIDIA's TensorRT-LLM container docs give it."""
+    """Shared memory for the container (`--shm-size`), as NVIDIA's TensorRT-LLM container docs give it (docker only:
+    podman refuses `--shm-size` with `--ipc=host`, under which the host's /dev/shm is shared)."""
 
     python: Optional[str] = None
     """`kind: local`: the Python interpreter (or venv directory) that has tensorrt_llm. Empty: `python3` on PATH."""

@@ -44,6 +44,15 @@ Cancellation: a request whose client cancelled (``request.is_cancelled()``, poll
 ``cancellation_check_period_ms``) or that a ``stop`` request names by request id (upstream's mechanism,
 used by tensorrt_llm_bls) is cancelled in the manager, freeing its KV blocks.
 
+Prompt scoring (kiln's extension of the contract, for the OpenAI server's ``echo``/loglikelihood requests): an
+optional input ``return_prompt_log_probs`` BOOL[1]; when true, the request is answered at once, without
+generating, with ``prompt_log_probs`` FP32[n] (entry j: log-prob of prompt token j given the tokens before it;
+entry 0 is 0, it has no context), ``prompt_top_ids`` INT32[n+1] and ``prompt_top_log_probs`` FP32[n+1] (entry j:
+the argmax token of the distribution predicting position j and its log-prob; entry 0 is -1 / 0, entry n is the
+greedy next token). transformers' continuous-batching manager exposes only the last position's logits, so a
+second copy of the same model (same weights, ModelOpt state and dtype), loaded on the first such request, runs one
+plain forward over the prompt: only these 3 x n numbers leave the model, never the context logits.
+
 Parameters (config.pbtxt, strings): ``model_dir`` (required), ``modelopt_state`` (file in model_dir,
 default ``modelopt_state.pth``; ``none`` loads the unquantized model), ``dtype`` (float32|bfloat16|float16,
 default float32), ``max_batch_size`` (requests per step; default the config's max_batch_size),
@@ -470,6 +479,10 @@ class TritonPythonModel:
                     continue
                 if self._broken is not None:
                     raise RequestError(f"the reference runtime failed and cannot serve: {self._broken}")
+                score = input_array(request, "return_prompt_log_probs")
+                if score is not None and np.asarray(score).any():
+                    self._score(request, sender)
+                    continue
                 job = self._parse(request, sender)
                 self._submit(job)
             except RequestError as err:
@@ -568,6 +581,51 @@ class TritonPythonModel:
                        for n in ("return_num_input_tokens", "return_num_output_tokens"))
         return Job(request, sender, streaming, bool(exclude), want_logprobs, seqs, triton_id=_request_id(request),
                    want_counts=counts)
+
+    def _score(self, request, sender):
+        """Prompt scoring (module docstring): one forward of a second, unmanaged copy of the model."""
+        ids = input_array(request, "input_ids")
+        if ids is None:
+            raise RequestError("input_ids is missing")
+        ids = np.asarray(ids)
+        ids = ids[None] if ids.ndim == 1 else ids.reshape(ids.shape[0], -1)
+        if ids.shape[0] != 1:
+            raise RequestError(f"return_prompt_log_probs scores one prompt per request, got a batch of {ids.shape[0]}")
+        n = _scalars(request, "input_lengths", 1, int)[0]
+        prompt = [int(t) for t in ids[0, : ids.shape[1] if n is None else n]]
+        if not prompt:
+            raise RequestError("input_ids is empty: nothing to score")
+        self._check_ids(prompt, "input_ids")
+        self._check_fits(len(prompt), 1, 0)
+        if getattr(self, "_scorer", None) is None:
+            from transformers import AutoModelForCausalLM
+
+            s = self.settings
+            scorer = AutoModelForCausalLM.from_pretrained(s.model_dir, dtype=_DTYPES[s.dtype], attn_implementation="sdpa")
+            scorer.eval()
+            if s.state_file:
+                import modelopt.torch.opt as mto
+
+                mto.restore(scorer, s.state_file)
+            self._scorer = scorer
+        with torch.no_grad():
+            x = torch.tensor([prompt])
+            logits = self._scorer(x, attention_mask=torch.ones_like(x)).logits[0].float()
+        lp = torch.log_softmax(logits, dim=-1)  # row j: the distribution of token j+1
+        top_lp, top_ids = lp.max(dim=-1)
+        rows = torch.arange(len(prompt) - 1)
+        chosen = [0.0] + lp[rows, torch.tensor(prompt[1:], dtype=torch.long)].tolist()
+        names = self.settings.output_names
+        values = {
+            "prompt_log_probs": np.array([chosen], dtype=np.float32),
+            "prompt_top_ids": np.array([[-1] + top_ids.tolist()], dtype=np.int32),
+            "prompt_top_log_probs": np.array([[0.0] + top_lp.tolist()], dtype=np.float32),
+        }
+        missing = [k for k in values if k not in names]
+        if missing:
+            raise RequestError(f"return_prompt_log_probs: this model's config.pbtxt does not declare {missing}")
+        response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in values.items()])
+        self._send(sender, response, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _biases(self, array, batch):
         """Per batch item, the embedding_bias [vocab] tensor, or None (absent or empty: no bias)."""
