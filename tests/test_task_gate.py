@@ -212,6 +212,7 @@ def parting_task(tmp_path_factory, hf_greedy):
 
 def _tasks(parting_yaml: Path, parting_drop: float) -> str:
     return ('evaluation.tasks=[{"task": "builtin:tiny-python-nextword", "limit": 10}, '
+            '{"task": "builtin:tiny-python-nextline", "limit": 10}, '
             f'{{"task": "{parting_yaml}", "max_accuracy_drop_pct": {parting_drop}}}]')
 
 
@@ -253,15 +254,41 @@ def test_the_default_recipe_with_a_builtin_task_passes_the_gate(gate_run, partin
     result = outcome.result
     assert "quantized: reused the running kiln serve" in result.served
     assert "baseline: tritonserver here" in result.served and result.baseline_repo.endswith("tiny-llama.baseline")
-    nextword, parting = result.tasks
-    assert (nextword.name, nextword.samples) == ("kiln_tiny_python_nextword", 10)
-    assert [g.passed for g in outcome.gates] == [True, True]
+    nextword, nextline, parting = result.tasks
+    assert (nextword.name, nextword.samples, nextword.output_type) == ("kiln_tiny_python_nextword", 10, "generate_until")
+    assert (nextline.name, nextline.samples, nextline.output_type) == ("kiln_tiny_python_nextline", 10,
+                                                                       "multiple_choice")
+    assert [g.passed for g in outcome.gates] == [True, True, True]
     # the parting prompts: the baseline is the unquantized model, the quantized side really is INT4 AWQ
     _, documents, parts = parting_task
     assert (parting.samples, parting.baseline) == (documents, 1.0)
     assert parting.quantized == pytest.approx((documents - parts) / documents, abs=1e-6)
     stored = json.loads((layout.build_root / "tiny-llama" / "tasks" / "tasks.json").read_text())
-    assert [t["quantized"] for t in stored["tasks"]] == [nextword.quantized, parting.quantized]
+    assert [t["quantized"] for t in stored["tasks"]] == [nextword.quantized, nextline.quantized, parting.quantized]
+
+
+def test_loglikelihoods_are_each_served_models_own(gate_run, hf_greedy):
+    """What lm-eval scored through echo + token-id prompts is the log-probability Hugging Face computes with the
+    unquantized model (baseline) and the ModelOpt-restored one (quantized), continuation cut where lm-eval cuts it."""
+    import torch
+    from tokenizers import Tokenizer
+
+    _, layout, _ = gate_run
+    task_dir = layout.build_root / "tiny-llama" / "tasks" / "lm_eval" / "1-tiny-python-nextline"
+    doc = json.loads((task_dir / "data.jsonl").read_text().splitlines()[0])
+    tok = Tokenizer.from_file(str(hf_greedy.tokenizer_file))
+    bos = tok.token_to_id("<s>")
+    for which, quantized in (("baseline", False), ("quantized", True)):
+        served = [ll for ll, _ in json.loads((task_dir / f"{which}.samples.jsonl").read_text().splitlines()[0])["response"]]
+        expected = []
+        for choice in doc["choices"]:
+            context = tok.encode(doc["context"], add_special_tokens=False).ids
+            whole = tok.encode(doc["context"] + "\n" + choice, add_special_tokens=False).ids
+            ids = [bos] + whole
+            with torch.no_grad():
+                logp = torch.log_softmax(hf_greedy._model(quantized)(torch.tensor([ids])).logits[0].float(), -1)
+            expected.append(sum(logp[i - 1, ids[i]].item() for i in range(1 + len(context), len(ids))))
+        assert served == pytest.approx(expected, rel=1e-4, abs=1e-3), which
 
 
 def test_a_zero_threshold_where_the_models_part_fails_the_build_with_both_accuracies(gate_run, parting_task, kiln,

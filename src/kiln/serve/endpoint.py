@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Optional
 
 from kiln.serve.openai import OpenAIConfig, OpenAIServer
 from kiln.serve.server import ServerConfig, ServerError, TritonServer, free_port, tail
-from kiln.serve.session import docker_command, running
+from kiln.serve.session import docker_command, serving_record, state_file_for
 from kiln.util.errors import InputError
 
 
@@ -50,21 +50,18 @@ def _answers(url: str, timeout: float = 5.0) -> bool:
 
 
 def running_endpoint(repo: Path, state_dir: Path) -> Optional[Endpoint]:
-    """A running ``kiln serve REPO --openai`` of this repository started after the repository was written (a
-    server started before a repackage serves the old model), answering ``/v1/models``; else None."""
+    """A running ``kiln serve REPO --openai`` of this repository (its serving record), started after the repository
+    was written (a server started before a repackage serves the old model) and answering ``/v1/models``; else None."""
     repo = Path(repo).resolve()
-    written = (repo / "manifest.json").stat().st_mtime if (repo / "manifest.json").is_file() else None
-    for state_file, state in running(state_dir):
-        url = (state.get("urls") or {}).get("openai")
-        if Path(state.get("repo", "")).resolve() != repo or not url:
-            continue
-        if written is None or state_file.stat().st_mtime < written:
-            continue
-        if _answers(url):
-            info = repository_info(repo)
-            return Endpoint(url=url, model=info.get("recipe") or repo.name,
-                            how=f"reused the running kiln serve (pid {state.get('pid')}, {url})")
-    return None
+    record = serving_record(repo, state_dir)
+    url = ((record.running or {}).get("urls") or {}).get("openai")
+    manifest = repo / "manifest.json"
+    if not url or not manifest.is_file():
+        return None
+    if state_file_for(repo, state_dir).stat().st_mtime < manifest.stat().st_mtime or not _answers(url):
+        return None
+    return Endpoint(url=url, model=repository_info(repo).get("recipe") or repo.name,
+                    how=f"reused the running kiln serve (pid {record.running.get('pid')}, {url})")
 
 
 @contextlib.contextmanager
