@@ -22,6 +22,7 @@ from kiln.steps.evaluate import EvaluateResult
 from kiln.steps.package import PackageResult
 from kiln.steps.quantize import QuantizeResult
 from kiln.steps.resolve import ResolveResult
+from kiln.steps.tasks import TasksResult
 from kiln.util.artifacts import read_manifest, write_manifest
 
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "tiny-llama.yaml"
@@ -37,6 +38,7 @@ RESULTS = {
                                base_perplexity=1.0, quant_perplexity=1.001),
     "engine": EngineResult(summary="s", runtime="reference"),
     "package": PackageResult(summary="s", models=5, container="", deploy=""),
+    "tasks": TasksResult(summary="s", skipped=True),
 }
 
 
@@ -70,7 +72,7 @@ def rerun(layout, *overrides: str) -> list[str]:
 
 
 def test_every_step_has_a_typed_result_and_required_files():
-    assert [s.name for s in STEPS] == ["resolve", "quantize", "evaluate", "engine", "package"]
+    assert [s.name for s in STEPS] == ["resolve", "quantize", "evaluate", "engine", "package", "tasks"]
     recipe = load_recipe(RECIPE).recipe
     for spec in STEPS:
         assert spec.result is type(RESULTS[spec.name]), spec.name
@@ -82,13 +84,13 @@ def test_an_unchanged_recipe_reruns_nothing(built):
 
 
 @pytest.mark.parametrize(("override", "expected"), [
-    ("serving.max_queue_delay_microseconds=100", ["package"]),
-    ("serving.streaming=false", ["package"]),
-    ("quantization.calibration.samples=16", ["quantize", "evaluate", "engine", "package"]),
-    ("quantization.format=int8_sq", ["quantize", "evaluate", "engine", "package"]),
-    ("evaluation.samples=8", ["evaluate", "package"]),
+    ("serving.max_queue_delay_microseconds=100", ["package", "tasks"]),
+    ("serving.streaming=false", ["package", "tasks"]),
+    ("quantization.calibration.samples=16", ["quantize", "evaluate", "engine", "package", "tasks"]),
+    ("quantization.format=int8_sq", ["quantize", "evaluate", "engine", "package", "tasks"]),
+    ("evaluation.samples=8", ["evaluate", "package", "tasks"]),
     ("evaluation.max_kl=0.5", []),  # a gate threshold is re-checked on the stored figures, never recomputed
-    ("engine.max_batch_size=8", ["engine", "package"]),
+    ("engine.max_batch_size=8", ["engine", "package", "tasks"]),
     ("description=another description", []),
 ])
 def test_real_fingerprints_rerun_exactly_what_a_change_affects(built, override, expected):
