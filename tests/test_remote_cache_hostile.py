@@ -287,14 +287,14 @@ def _read(path: Path, offset: int, size: int) -> bytes:
         return fh.read(size)
 
 
-def _build_against(real, tmp_path: Path, repository: str, required: bool = False):
+def _build_against(real, tmp_path: Path, repository: str, required: bool = False, push: bool = False):
     from tests.test_remote_cache import SPECS
 
     reg = real[0]
     tmp_path.mkdir(parents=True, exist_ok=True)
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"name: pipe\ntarget: reference\nquantization:\n  format: int8_sq\n"
-                      f"cache:\n  remote: {reg.url(repository)}\n  share: [quantize]\n  push: false\n")
+                      f"cache:\n  remote: {reg.url(repository)}\n  share: [quantize]\n  push: {str(push).lower()}\n")
     text = io.StringIO()
     console = Console(file=text, width=400)
     loaded = load_recipe(recipe)
@@ -350,6 +350,15 @@ def test_hostile_entries_pushed_by_a_raw_client_are_refused_and_built_here(real,
     assert "pulled" not in read_manifest(quantize)
     assert [p for p in tmp_path.rglob("escaped.txt")] == []
     assert [p.name for p in quantize.parent.iterdir() if ".tmp" in p.name] == []
+    # With push on, the output built here replaces the refused entry, and the next runner pulls it.
+    summary, log = _build_against(real, tmp_path / "heal", "hostile/dotdot", push=True)
+    assert {o.name: o.status.value for o in summary.outcomes}["quantize"] == "ran"
+    assert "building it here and pushing it over that entry" in log
+    assert [o.name for o in summary.outcomes if o.pushed_to] == ["quantize"]
+    summary, log = _build_against(real, tmp_path / "healed", "hostile/dotdot")
+    assert {o.name: o.status.value for o in summary.outcomes}["quantize"] == "pulled", log
+    hostile_body, hostile_config = _forge(manifest, config, HOSTILE["dotdot"][0])  # the hostile entry again
+    assert raw_push(reg.host, "hostile/dotdot", tag, hostile_body, [*blobs, hostile_config]).status_code == 201
     required, _ = _build_against(real, tmp_path / "required", "hostile/dotdot", required=True)
     assert required.failure is not None and "--cache-required" in str(required.failure)
     assert "is not a plain relative path" in str(required.failure)
