@@ -316,14 +316,18 @@ def test_hostile_entries_pushed_by_a_raw_client_are_refused_and_built_here(real,
     monkeypatch.setattr(runner, "load_steps", lambda: dict(SPECS))
     reg, fingerprint, manifest, config, blobs = real
     tag = tag_for("quantize", fingerprint)
-    sound_body, sound_config = _forge(manifest, config, lambda m, c: None)
-    assert raw_push(reg.host, "hostile/sound", tag, sound_body, [*blobs, sound_config]).status_code == 201
-    summary, _ = _build_against(real, tmp_path / "sound", "hostile/sound")
-    assert {o.name: o.status.value for o in summary.outcomes}["quantize"] == "pulled"  # the forge is sound
-    # Every case through the remote cache's pull, as the runner calls it, into an empty temporary directory.
-    loaded = load_recipe(tmp_path / "sound" / "r.yaml")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: pipe\ntarget: reference\nquantization:\n  format: int8_sq\n")
+    loaded = load_recipe(recipe)
     step = next(p for p in runner.schedule(loaded, runner.Layout(tmp_path / "build")) if p.spec.name == "quantize")
     assert step.fingerprint == fingerprint
+    # The forge itself is sound: unmutated, the entry pulls.
+    sound_body, sound_config = _forge(manifest, config, lambda m, c: None)
+    assert raw_push(reg.host, "hostile/sound", tag, sound_body, [*blobs, sound_config]).status_code == 201
+    (tmp_path / "sound").mkdir()
+    assert RemoteCache(reg.url("hostile/sound"), loaded.recipe.cache, console=Console(file=io.StringIO()),
+                       progress=False).pull(step, tmp_path / "sound", loaded) is not None
+    # Every case through the remote cache's pull, as the runner calls it, into an empty temporary directory.
     for case in REAL_CASES:
         mutate, message = HOSTILE[case]
         body, config_raw = _forge(manifest, config, mutate)
