@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
-	$(VENV)/bin/python -m pip install -q -e '.[serve,dev]'
+	$(VENV)/bin/python -m pip install -q -e '.[serve,dev,eval]'
 	touch $@
 
 install: $(STAMP)

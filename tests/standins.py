@@ -49,12 +49,21 @@ def stub_repository(root: Path, models: tuple[str, ...] = ("tensorrt_llm",), trt
     return root
 
 
-def nvidia_smi(bin_dir: Path, gpus: list[str]) -> Path:
-    """A stand-in ``nvidia-smi`` in ``bin_dir`` printing ``gpus`` for ``--query-gpu=name`` (exit 9 when empty,
-    as the real one does without a driver)."""
+#: The driver the stand-in nvidia-smi reports unless a test chooses one (CUDA 13.x's minimum is 580).
+STANDIN_DRIVER = "580.65.06"
+
+
+def nvidia_smi(bin_dir: Path, gpus: list[str], driver: str = STANDIN_DRIVER) -> Path:
+    """A stand-in ``nvidia-smi`` in ``bin_dir`` printing ``gpus`` for ``--query-gpu=name`` and ``driver`` once per
+    GPU for ``--query-gpu=driver_version`` (exit 9 when no GPU, as the real one does without a driver)."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     exe = bin_dir / "nvidia-smi"
-    body = "\n".join(f"echo '{g}'" for g in gpus) if gpus else "echo 'NVIDIA-SMI has failed' >&2; exit 9"
+    if gpus:
+        names = "\n".join(f"echo '{g}'" for g in gpus)
+        drivers = "\n".join(f"echo '{driver}'" for _ in gpus)
+        body = f'if [ "$1" = "--query-gpu=driver_version" ]; then\n{drivers}\nexit 0\nfi\n{names}'
+    else:
+        body = "echo 'NVIDIA-SMI has failed' >&2; exit 9"
     exe.write_text(f"#!/usr/bin/env bash\n# stand-in nvidia-smi (tests): no GPU is here\n{body}\n")
     exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
     return exe

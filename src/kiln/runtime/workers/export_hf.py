@@ -27,7 +27,15 @@ import time
 
 from quantize import (calibration_loop, calibration_texts, disable_patterns, kv_entries, merge_entries, save_state,
                       versions)
-from worker_io import device_name, job_from_command_line, load_model, runtime_device, write_result
+from worker_io import (
+    device_name,
+    input_device,
+    job_from_command_line,
+    load_model,
+    runtime_device,
+    weight_fingerprints,
+    write_result,
+)
 
 
 def set_block_size(config, block):
@@ -76,9 +84,10 @@ def exporter_resmooths(unified):
     return False
 
 
-def export(model, job, dtype):
+def export(model, job, dtype, before):
     """ModelOpt's unified export with the quantizers saved right after the fused layers are resmoothed, the
-    resmoothing done exactly once: by the image's exporter where it does it, else here."""
+    resmoothing done exactly once: by the image's exporter where it does it, else here. ``before``: the weights'
+    fingerprints from before calibration (see save_state); returns what the state file holds."""
     import torch
     from modelopt.torch.export import export_hf_checkpoint
     from modelopt.torch.export import unified_export_hf as unified
@@ -86,16 +95,15 @@ def export(model, job, dtype):
     if not exporter_resmooths(unified):
         with torch.no_grad():
             unified.requantize_resmooth_fused_llm_layers(model)
-        save_state(model, job)
+        held = save_state(model, job, before)
         export_hf_checkpoint(model, dtype=dtype, export_dir=job["output_dir"])
-        return
+        return held
     resmooth = unified.requantize_resmooth_fused_llm_layers
     saved = []
 
     def resmooth_then_save(m):
         resmooth(m)
-        save_state(m, job)  # still the fake-quantized model: the exporter packs the weights after this
-        saved.append(True)
+        saved.append(save_state(m, job, before))  # still the fake-quantized model: the exporter packs weights next
 
     unified.requantize_resmooth_fused_llm_layers = resmooth_then_save
     try:
@@ -105,6 +113,7 @@ def export(model, job, dtype):
     if not saved:
         raise SystemExit("the image's export_hf_checkpoint did not resmooth the fused layers as its source says: the "
                          "calibrated quantizers were not saved; kiln supports nvidia-modelopt 0.37 to 0.47")
+    return saved[0]
 
 
 def main():
@@ -117,13 +126,15 @@ def main():
 
     device = runtime_device()
     torch.manual_seed(job["seed"])
-    model = load_model(job, device)
+    model = load_model(job, device)  # spread over the recipe's GPUs (worker_io.load_model)
     tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
     texts = calibration_texts(job)[: job["calib_size"]]
-    model = mtq.quantize(model, quant_config(mtq, job), forward_loop=calibration_loop(job, tokenizer, texts, device))
-    export(model, job, getattr(torch, job["dtype"]))
+    before = weight_fingerprints(model)
+    model = mtq.quantize(model, quant_config(mtq, job),
+                         forward_loop=calibration_loop(job, tokenizer, texts, input_device(model)))
+    held = export(model, job, getattr(torch, job["dtype"]), before)
     tokenizer.save_pretrained(job["output_dir"])
-    write_result(job, {"packages": versions(), "device": device_name(device), "state_from": "calibration",
+    write_result(job, {"packages": versions(), "device": device_name(device), "state_from": "calibration", "state": held,
                        "export": "modelopt.torch.export.export_hf_checkpoint",
                        "seconds": round(time.monotonic() - started, 3)})
 
