@@ -142,7 +142,7 @@ def test_the_reference_runtime_honours_end_id_minus_one_and_min_tokens(tiny_serv
     from kiln.serve.client import generate_stream
 
     tok = Tokenizer.from_file(str(tiny_build[2] / "preprocessing" / "1" / "tokenizer" / "tokenizer.json"))
-    newline = tok.token_to_id("\n")
+    newline = tok.encode("\n", add_special_tokens=False).ids[-1]
 
     def gen(**fields) -> str:
         return "".join(generate_stream(tiny_server.urls()["grpc"], "import os", 6, top_k=1, **fields))
@@ -151,10 +151,34 @@ def test_the_reference_runtime_honours_end_id_minus_one_and_min_tokens(tiny_serv
     assert free.startswith("\n") and len(tok.encode(free, add_special_tokens=False).ids) == 6
     assert gen(end_id=newline) == "", "the newline ends the generation"
     assert gen(end_id=-1) == free, "end_id -1: no token ends it"
-    assert gen(end_id=newline, min_tokens=6) != "", "min_tokens holds the end token back"
+    held = gen(end_id=newline, min_tokens=6)
+    assert not held.startswith("\n") and len(tok.encode(held, add_special_tokens=False).ids) == 6, \
+        "min_tokens holds the end token back"
 
 
 @pytest.fixture(scope="module")
 def client(openai_api):
     openai = pytest.importorskip("openai", reason="the official SDK: pip install kiln[dev]")
     return openai.OpenAI(base_url=openai_api[0], api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.mark.integration
+def test_guidellm_requests_replayed_get_every_token_they_ask_for(openai_api) -> None:
+    """guidellm 0.8.1 streams chat with content parts, ignore_eos and max_completion_tokens, and counts the
+    server's usage: each replayed request answers 200 and reports exactly max_completion_tokens."""
+    import httpx
+
+    data = recording("guidellm")
+    posts = [r for r in data["requests"] if r["method"] == "POST"]
+    assert posts and all(r["body"].get("ignore_eos") for r in posts)
+    with httpx.Client(base_url=openai_api[0].removesuffix("/v1"), timeout=120) as c:
+        for r in data["requests"]:
+            body = dict(r["body"], model=openai_api[1]) if r["body"] else None
+            resp = c.request(r["method"], r["path"], json=body)
+            assert resp.status_code == r["status"] == 200, resp.text
+            if r["method"] != "POST":
+                continue
+            events = [line[6:] for line in resp.text.split("\n\n") if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            usage = json.loads(events[-2])["usage"]
+            assert usage["completion_tokens"] == body["max_completion_tokens"], usage
