@@ -27,11 +27,13 @@ def _prepare(target: str, overrides, build_dir: Path, repo_dir: Path):
     if _is_repo(p):
         if overrides:
             raise InputError("--set applies to recipes; a repository is served as it was packaged")
-        return p, DEFAULTS, None
+        from kiln.serve.session import serving_record
+
+        return p, serving_record(p), None  # where kiln.json records it is served (the recipe's serving.*)
     from kiln.pipeline.runner import Layout, render_summary, run
 
     loaded = load(target, overrides)
-    summary = run(loaded, Layout(build_dir, repo_dir), console=err)
+    summary = run(loaded, Layout(build_dir, repo_dir), to_step="package", console=err)  # serving needs no task gate
     if summary.failure is not None:
         render_summary(summary, err)
         raise summary.failure
@@ -65,7 +67,8 @@ def _prepare(target: str, overrides, build_dir: Path, repo_dir: Path):
 @handle_errors
 def serve(target, overrides, host, http_port, grpc_port, metrics_port, docker, background, openai, openai_port,
           timeout, state_file, build_dir, repo_dir):
-    """Serve TARGET (a recipe, built first if needed, or a packaged repository) with a real tritonserver."""
+    """Serve TARGET (a recipe, built first if needed, or a packaged repository: on the host and ports its kiln.json
+    records) with a real tritonserver."""
     from kiln.serve.openai import OpenAIConfig
     from kiln.serve.server import ServerConfig
     from kiln.serve.session import (check_engine_here, docker_command, run_docker, serve_foreground,

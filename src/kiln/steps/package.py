@@ -168,16 +168,26 @@ def _package_llmapi(ctx: StepContext, quantize_dir: Path, max_seq_len: int) -> P
     deploy = None
     if llmapi_runtime(r) == "tensorrt_llm" and ctx.final_dir is not None:
         from kiln.triton.deploy import DeployInfo, validate_manifests, write_deploy_files
+        from kiln.triton.deploy.dynamo import DynamoDeploy, dynamo_image, image_stacks, write_dynamo_files
 
+        hub_secret = "hf-token" if r.model.source.startswith(HF_PREFIX) else None
         deploy = deploy_dir_for(ctx.final_dir)
         with atomic_dir(deploy) as tmp:
-            written = write_deploy_files(DeployInfo.from_recipe(
-                r, info["container"], hub_token_secret="hf-token" if r.model.source.startswith(HF_PREFIX) else None),
-                tmp, model_repo=ctx.final_dir)
-            problems = validate_manifests([p for p in written if p.suffix in (".yaml", ".yml") and "k8s" in p.parts])
-            if problems:
-                raise KilnError("generated Kubernetes manifests do not validate:\n  " + "\n  ".join(problems))
+            # only the stacks the image carries: no Triton image ships TensorRT-LLM after 1.2.1 (trtllm-serve and
+            # Dynamo files only); an image the table does not know gets the Triton files as before
+            stacks = image_stacks(info["container"])
+            if not stacks or "triton-llmapi" in stacks:
+                written = write_deploy_files(DeployInfo.from_recipe(r, info["container"], hub_token_secret=hub_secret),
+                                             tmp, model_repo=ctx.final_dir)
+                problems = validate_manifests([p for p in written
+                                               if p.suffix in (".yaml", ".yml") and "k8s" in p.parts])
+                if problems:
+                    raise KilnError("generated Kubernetes manifests do not validate:\n  " + "\n  ".join(problems))
             write_trtllm_serve_files(r, info, tmp)
+            try:
+                write_dynamo_files(DynamoDeploy.from_recipe(r, dynamo_image(r), hub_secret), info["llm_args"], tmp)
+            except ValueError as err:
+                raise KilnError(str(err)) from None
     where = (f"container {info['container']}" if info["container"] else
              "CPU reference runtime (a test and development vehicle)")
     return PackageResult(summary=f"llmapi repository (1 model), lint clean, {where}", models=1,

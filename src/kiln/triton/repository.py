@@ -381,6 +381,17 @@ def models_source() -> Path:
     return Path(str(resources.files("kiln.triton") / "models"))
 
 
+#: The recipe's serving.* keys kiln.json records under ``serving``: where `kiln serve REPO` serves the repository
+#: (kiln.serve.session.serving_record reads them back; the schema holds their defaults).
+SERVING_RECORD_KEYS = ("host", "http_port", "grpc_port", "metrics_port", "openai_port", "openai_model")
+
+
+def serving_record(recipe: Recipe) -> dict[str, Any]:
+    """kiln.json's ``serving``: the host and ports the recipe serves on (HTTP, gRPC, metrics, OpenAI) and the Triton
+    model its OpenAI-compatible server calls; the one record of where this repository is served."""
+    return {key: getattr(recipe.serving, key) for key in SERVING_RECORD_KEYS}
+
+
 def write_repository(inp: RepoInputs, out: Path, max_seq_len: int, final: Optional[Path] = None) -> dict[str, Any]:
     """Write the whole repository into `out` (an empty directory, renamed to `final` when complete: kiln.json's
     server command names `final`, never the temporary directory). Returns the kiln.json content."""
@@ -463,6 +474,7 @@ def write_repository(inp: RepoInputs, out: Path, max_seq_len: int, final: Option
         "server_command": command,
         "check_command": ["python3", f"{root}/{CHECK_SCRIPT}", root],
         "quality": inp.quality,
+        "serving": serving_record(r),
     }
     (out / "kiln.json").write_text(json.dumps(info, indent=2))
     return info
