@@ -205,3 +205,14 @@ def test_synthetic_prompts_have_input_len_tokens_of_the_served_tokenizer() -> No
     assert len(set(prompts)) == 8
     words = synthetic_prompts(8, 24, seed=3)
     assert [len(p.split()) for p in words] == [24] * 8, "without a tokenizer: words"
+
+
+def test_continuous_usage_stats_puts_the_running_usage_in_every_chunk() -> None:
+    """vLLM's stream_options.continuous_usage_stats, which guidellm sends: honoured, not ignored."""
+    with client_for(ScriptedBackend(tokens("a", "b", "c"))) as c:
+        r = c.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 8, "stream": True,
+                                            "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    texts = [json.loads(e) for e in events(r.text)[:-1]]
+    counted = [(e["choices"][0]["text"], e["usage"]["completion_tokens"]) for e in texts if e["choices"] and
+               e["choices"][0]["text"]]
+    assert counted == [("a", 1), ("b", 2), ("c", 3)]
