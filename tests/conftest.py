@@ -227,3 +227,16 @@ def image_python() -> Path:
     if found is None:
         pytest.skip(image_env.missing_reason())
     return found
+
+
+@pytest.fixture(scope="session")
+def openai_api(tiny_server, tiny_build):
+    """kiln's OpenAI server in front of the session's tritonserver (shared by test_openai and test_openai_tools):
+    ``(base_url ending in /v1, served model name)``."""
+    from kiln.serve.openai import OpenAIConfig, OpenAIServer
+    from kiln.serve.server import free_port
+
+    _, _, repo = tiny_build
+    cfg = OpenAIConfig(triton_url=tiny_server.urls()["grpc"], repo=repo, port=free_port())
+    with OpenAIServer(cfg):
+        yield f"{cfg.url}/v1", tiny_build[0].recipe.name

@@ -180,6 +180,16 @@ def _served(serving: Optional[Path]) -> dict:
                                      "http": f"http://127.0.0.1:{DEFAULTS.http_port}"}
 
 
+def _served_tokenizer(serving: Optional[Path]) -> Optional[str]:
+    """The served repository's tokenizer folder (``--serving REPO``'s, or the one running kiln serve's), if any:
+    kiln bench's --input-len then counts its tokens."""
+    from kiln.serve.session import running
+
+    repos = [Path(serving)] if serving else [Path(st["repo"]) for _, st in running() if st.get("repo")]
+    folder = repos[0] / "preprocessing" / "1" / "tokenizer" if len(repos) == 1 else None
+    return str(folder) if folder is not None and (folder / "tokenizer.json").is_file() else None
+
+
 serving_option = click.option(
     "--serving", type=click.Path(path_type=Path),
     help="The packaged repository a running `kiln serve` serves: use its ports (default: the one running kiln "
@@ -247,7 +257,9 @@ def _levels(text: str) -> tuple[int, ...]:
 @click.option("--rate", type=float, help="Open-loop request rate (req/s) instead of fixed concurrency.")
 @click.option("--poisson", is_flag=True, help="With --rate: Poisson arrivals.")
 @click.option("--duration", type=float, default=20.0, show_default=True, help="Seconds per level.")
-@click.option("--input-len", type=int, default=64, show_default=True, help="Synthetic prompt length (words).")
+@click.option("--input-len", type=int, default=64, show_default=True,
+              help="Synthetic prompt length: tokens of the served model's tokenizer when bench finds the running kiln "
+                   "serve (or --serving REPO), else words.")
 @click.option("--output-len", type=int, default=32, show_default=True, help="max_tokens per request.")
 @click.option("--prompts", type=click.Path(path_type=Path, exists=True), help="Prompts file (one per line / jsonl).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("build/bench"), show_default=True,
@@ -263,6 +275,7 @@ def bench(url, serving, openai_url, model, concurrency, rate, poisson, duration,
     from kiln.serve.bench import BenchConfig, compare_with_plan, format_comparison, format_report, load_prompts, run_bench
 
     prompt_set = load_prompts(prompts) if prompts else None
+    from_record = bool(serving) or openai_url == "" or (not url and openai_url is None)
     if openai_url == "":
         urls = _served(serving)
         if "openai" not in urls:
@@ -271,12 +284,13 @@ def bench(url, serving, openai_url, model, concurrency, rate, poisson, duration,
         openai_url = urls["openai"]
     elif not url and openai_url is None:
         url = _served(serving)["grpc"]
+    tokenizer_dir = _served_tokenizer(serving) if from_record else None
     if openai_url is None and model not in ("ensemble", "tensorrt_llm_bls"):
         raise InputError(f"--model {model!r}: a Triton bench calls ensemble or tensorrt_llm_bls")
     cfg = BenchConfig(url=openai_url or url, model=model, api="openai" if openai_url else "triton",
                       concurrency=_levels(concurrency), rate=rate, poisson=poisson,
                       duration_s=duration, input_len=input_len, output_len=output_len,
-                      prompts=tuple(prompt_set.prompts) if prompt_set else None,
+                      prompts=tuple(prompt_set.prompts) if prompt_set else None, tokenizer_dir=tokenizer_dir,
                       expected=prompt_set.expected if prompt_set else None)
     report = run_bench(cfg)
     paths = report.write(out_dir)
