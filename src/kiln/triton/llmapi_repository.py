@@ -85,10 +85,10 @@ def write_llmapi_repository(recipe: Recipe, checkpoint: Path, out: Path, max_seq
     The model.yaml it writes is checked against the pinned LLM arguments before anything else is written."""
     runtime = llmapi_runtime(recipe)
     data = model_yaml(recipe, max_seq_len, draft=draft_checkpoint is not None)
-    version = llm_args_version(recipe)
-    problems = check_model_yaml(data, version)
+    args_version = llm_args_version(recipe)
+    problems = check_model_yaml(data, args_version)
     if problems:
-        raise KilnError(f"the model.yaml kiln would write is not what TensorRT-LLM {version} takes:\n  "
+        raise KilnError(f"the model.yaml kiln would write is not what TensorRT-LLM {args_version} takes:\n  "
                         + "\n  ".join(problems))
     model = out / MODEL_NAME
     version = model / "1"
@@ -129,7 +129,7 @@ def write_llmapi_repository(recipe: Recipe, checkpoint: Path, out: Path, max_seq
         "server_command": command,
         "check_command": [],
         "llm_args": args,
-        "llm_args_version": version,
+        "llm_args_version": args_version,
         "trtllm_serve_command": trtllm_serve_command(recipe, f"{CONTAINER_REPO}/{MODEL_NAME}/1/{CHECKPOINT_DIR}",
                                                      f"{SERVE_DIR}/{OPTIONS_FILE}"),
         "quality": quality,
