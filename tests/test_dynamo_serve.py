@@ -128,9 +128,9 @@ def test_a_client_that_goes_away_stops_the_generation(stack) -> None:
         if sum(log.count("cancelled by the client") for log in logs) > before:
             break
         time.sleep(0.3)
-    cancelled = [int(m) for log in _worker_logs(stack).values()
-                 for m in re.findall(r"cancelled by the client after (\d+) tokens", log)]
-    assert len(cancelled) > before and cancelled[-1] < 400
+    stopped = [int(m) for log in _worker_logs(stack).values() for m in re.findall(
+        r"cancelled by the client: the generation stopped with finish_reason cancelled after (\d+) tokens", log)]
+    assert len(stopped) > before and stopped[-1] < 400  # the reference runtime's loop was aborted, not run out
 
 
 def test_two_workers_behind_one_frontend_both_serve(stack, client) -> None:
@@ -143,10 +143,10 @@ def test_two_workers_behind_one_frontend_both_serve(stack, client) -> None:
     assert all(after[n] > counts[n] for n in after), (counts, after)
 
 
-def test_kiln_bench_openai_runs_against_dynamos_frontend(stack) -> None:
+def test_kiln_bench_openai_runs_against_dynamos_frontend(stack, kiln) -> None:
     out = stack["cwd"] / "bench"
-    r = _kiln("bench", "--openai", stack["url"], "--concurrency", "2", "--duration", "3", "--input-len", "8",
-              "--output-len", "4", "--out", str(out), cwd=stack["cwd"])
-    assert r.returncode == 0, r.stdout + r.stderr
+    r = kiln("bench", "--openai", stack["url"], "--concurrency", "2", "--duration", "1.5", "--input-len", "8",
+             "--output-len", "4", "--out", str(out))
+    assert r.exit_code == 0, r.output
     report = json.loads((out / "bench.json").read_text())
     assert report["levels"][0]["completed"] >= 1, report

@@ -76,6 +76,7 @@ class DynamoStack:
     log_dir: Optional[Path] = None
     discovery_dir: Optional[Path] = None
     startup_timeout_s: float = 180.0
+    stop_timeout_s: float = 10.0                #: SIGTERM, then SIGKILL for what is still running after this
     procs: list = field(default_factory=list)
 
     @property
@@ -135,9 +136,10 @@ class DynamoStack:
         for _, proc in reversed(self.procs):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_timeout_s
         for _, proc in reversed(self.procs):
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=5)

@@ -73,7 +73,7 @@ class Handler:
         log.info("request %s: %d prompt tokens, max_tokens %d (active %d)", context.id(), len(ids), params.max_tokens,
                  self.active)
         stopped = asyncio.ensure_future(context.async_killed_or_stopped())
-        sent = 0
+        sent, finished = 0, False
         try:
             async for out in handle:
                 if stopped.done():
@@ -83,6 +83,7 @@ class Handler:
                 sent = len(o.token_ids)
                 delta: dict[str, Any] = {"token_ids": new, "index": 0}
                 if out.finished:
+                    finished = True
                     delta["finish_reason"] = o.finish_reason or "stop"
                     delta["completion_usage"] = {"prompt_tokens": len(ids), "completion_tokens": sent,
                                                  "total_tokens": len(ids) + sent}
@@ -92,12 +93,31 @@ class Handler:
         except self.ref.ReferenceError as err:
             yield {"token_ids": [], "finish_reason": {"error": str(err)}}
         finally:
-            if not stopped.done() or stopped.done():
-                handle.abort()  # no-op when finished; stops the generation thread's loop when the client left
-            if stopped.done():
-                log.info("request %s: cancelled by the client after %d tokens", context.id(), sent)
+            if not finished:  # the client went away (or the stream was closed): stop the generation thread
+                handle.abort()
+                final = await _last_output(handle)
+                o = final.outputs[0] if final is not None and final.outputs else None
+                log.info("request %s: %s: the generation stopped with finish_reason %s after %d tokens", context.id(),
+                         "cancelled by the client" if stopped.done() else "closed early",
+                         o.finish_reason if o else "unknown", len(o.token_ids) if o else -1)
             stopped.cancel()
             self.active -= 1
+
+
+async def _last_output(handle: Any, timeout_s: float = 30.0) -> Any:
+    """The last output a request handle still delivers (its final one), or None when none comes in time."""
+    last = None
+
+    async def drain() -> None:
+        nonlocal last
+        async for out in handle:
+            last = out
+
+    try:
+        await asyncio.wait_for(drain(), timeout_s)
+    except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - a failed request has no final output to report
+        pass
+    return last
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
