@@ -434,5 +434,8 @@ RECIPE_MAPPING: dict[str, tuple[str, str]] = {
                              "repository does not have"),
     "serving.openai_sidecar": ("dropped", "no sidecar: trtllm-serve is OpenAI-compatible itself"),
     "serving.openai_image": ("dropped", "no sidecar image on this target"),
+    "serving.dynamo_workers": ("same", "the aggregated DynamoGraphDeployment's worker replicas (deploy/<recipe>/dynamo)"),
+    "serving.dynamo_prefill_workers": ("same", "the disaggregated DynamoGraphDeployment's prefill replicas"),
+    "serving.dynamo_decode_workers": ("same", "the disaggregated DynamoGraphDeployment's decode replicas"),
 }
 
