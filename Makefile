@@ -14,13 +14,13 @@ DYNAMO_VERSION ?= 1.6.1
 KILN := $(VENV)/bin/kiln
 STAMP := $(VENV)/.kiln-installed
 
-.PHONY: install engine test test-unit serve lint-imports bench clean
+.PHONY: install engine test test-unit serve lint-imports bench clean image-env
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
-	$(VENV)/bin/python -m pip install -q -e '.[serve,dev]'
+	$(VENV)/bin/python -m pip install -q -e '.[serve,dev,eval]'
 	# Dynamo cannot be an extra of kiln's: ai-dynamo depends on aisimulate==0.13.0, a stub that downloads from
 	# another index (refused here), so the two wheels go in with --no-deps, then their other requirements
 	# (ai-dynamo-runtime wants pydantic<=2.13.5 and uvloop).
@@ -41,12 +41,17 @@ serve: $(STAMP)
 lint-imports: $(STAMP)
 	$(VENV)/bin/lint-imports
 
-test: $(STAMP)
+test: $(STAMP) image-env
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(VENV)/bin/python -m pytest -m "not integration" $(PYTEST_ARGS)
+
+# The NGC image's Python packages (the container table's row for TensorRT-LLM 1.2.1) in a cached venv, for the
+# image_env tests (tests/image_env.py); a no-op when up to date.
+image-env: $(STAMP)
+	KILN_IMAGE_ENV_TORCH="$(TORCH_SPEC)" $(VENV)/bin/python -m tests.image_env
 
 clean:
 	rm -rf build triton_repo

@@ -25,7 +25,7 @@ from importlib import resources
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, create_model
 from tritonclient.grpc import model_config_pb2 as mc
 
 from kiln.recipe.formats import kv_cache_format, registry
@@ -114,7 +114,7 @@ _STRICT = ConfigDict(extra="forbid", strict=True, arbitrary_types_allowed=True)
 
 def _type(text: str, namespace: dict[str, Any]) -> Any:
     """A field type written in the data file's typing notation (no builtins reachable but the type names)."""
-    names = {"Optional": Optional, "List": list, "Literal": Literal, "Union": Union, "Any": Any, "bool": bool,
+    names = {"Optional": Optional, "List": list, "Dict": dict, "Literal": Literal, "Union": Union, "Any": Any, "bool": bool,
              "int": int, "float": float, "str": str, "dict": dict, **namespace}
     return eval(text, {"__builtins__": {}}, names)  # noqa: S307 - kiln's own data file, no builtins
 
@@ -123,10 +123,11 @@ def _fields(spec: dict, namespace: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for name, field in (spec or {}).items():
         kind = _type(str(field["type"]), namespace)
+        alias = {"validation_alias": AliasChoices(name, *field["aliases"])} if field.get("aliases") else {}
         if field.get("required"):
-            out[name] = (kind, ...)
+            out[name] = (kind, Field(..., **alias))
         else:
-            out[name] = (kind, Field(default=field.get("default")))
+            out[name] = (kind, Field(default=field.get("default"), **alias))
     return out
 
 
@@ -175,8 +176,14 @@ def check_llm_args(args: dict, version: str = DEFAULT_LLM_ARGS_VERSION) -> list[
         if not variant["pytorch"]:
             problems.append(f"speculative_config.decoding_type: {sc[spec['dispatch_key']]} does not run on the "
                             "PyTorch backend")
+        fields = {**spec["base_fields"], **(variant.get("fields") or {})}
+
+        def given(key: str) -> bool:  # the field under its name or any alias upstream accepts
+            names = (key, *((fields.get(key) or {}).get("aliases") or ()))
+            return any(sc.get(n) not in (None, 0) for n in names)
+
         problems += [f"speculative_config.{k}: needed by {sc[spec['dispatch_key']]}" for k in variant.get("needs", ())
-                     if sc.get(k) in (None, 0)]
+                     if not given(k)]
     return problems
 
 

@@ -43,7 +43,7 @@ from kiln.triton.llmapi import (
     trtllm_serve_command,
     trtllm_serve_options,
 )
-from kiln.triton.repository import install_python_model
+from kiln.triton.repository import install_python_model, serving_record
 from kiln.util.artifacts import link_tree
 from kiln.util.errors import KilnError
 
@@ -133,6 +133,7 @@ def write_llmapi_repository(recipe: Recipe, checkpoint: Path, out: Path, max_seq
         "trtllm_serve_command": trtllm_serve_command(recipe, f"{CONTAINER_REPO}/{MODEL_NAME}/1/{CHECKPOINT_DIR}",
                                                      f"{SERVE_DIR}/{OPTIONS_FILE}"),
         "quality": quality,
+        "serving": serving_record(recipe),
     }
     (out / "kiln.json").write_text(json.dumps(info, indent=2), encoding="utf-8")
     return info
