@@ -25,6 +25,10 @@ from kiln.util.errors import InputError, KilnError
 CHECKPOINT = "checkpoint"  # the quantize step's HF model + ModelOpt state + tokenizer
 
 
+#: Beside the llmapi model's model.yaml: the built-in model's chat template (its tokenizer carries none).
+CHAT_TEMPLATE = "chat_template.jinja"
+
+
 def deploy_dir_for(repo_final: Path) -> Path:
     """deploy/<recipe>/ beside the repository root (triton_repo/<recipe> → deploy/<recipe>)."""
     return repo_final.parent.parent / "deploy" / repo_final.name
@@ -161,6 +165,9 @@ def _package_llmapi(ctx: StepContext, quantize_dir: Path, max_seq_len: int) -> P
                                        fingerprint=ctx.fingerprint, quality=quality,
                                        draft_checkpoint=draft, image=r.engine_runtime.image,
                                        image_digest=produced.get("image_digest"))
+    template = builtin_chat_template(r.model.source)
+    if template is not None:  # the built-in model's chat template (Dynamo's frontend and kiln's worker use it)
+        (ctx.out_dir / "tensorrt_llm" / "1" / CHAT_TEMPLATE).write_text(template, encoding="utf-8")
     findings = lint_repository(ctx.out_dir)
     errors = [f for f in findings if f.severity == "error"]
     if errors:
