@@ -46,3 +46,25 @@ def test_the_default_images_minimum_driver_has_a_source() -> None:
     assert {"triton-release-notes", "cuda-compatibility"} <= set(CONTAINER_SOURCES)
     march = next(r for r in CONTAINER_ROWS if r.release == "26.03")
     assert march.verified is False and "1.2.0rc8" in march.note
+
+
+def test_the_disk_budget_counts_every_file_the_run_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Preflight used to budget 1.1 × the quantized weights per step (quantize, engine): an 8B FP8 run passed with
+    25 GiB free and then wrote the evaluation's base log-probabilities and the hub download on top."""
+    import shutil
+
+    loaded = load_recipe(REPO_ROOT / "configs" / "llama-3.1-8b" / "fp8.yaml")
+    steps = ["resolve", "quantize", "evaluate", "engine", "package"]
+    budget = {what: b for _, what, b in preflight.disk_budget(loaded, steps, tmp_path / "build")}
+    gib = 1024**3
+    assert 8 * gib < budget["the quantized checkpoint"] == budget["the engine"] < 10 * gib
+    assert budget["the quantizer state"] < 0.2 * gib  # not mto.save's second copy of every weight
+    assert budget["the base model's log-probabilities (evaluate's scratch, removed after)"] == 128 * 1024 * 128256 * 2
+    sq = {what: b for _, what, b in preflight.disk_budget(
+        load_recipe(REPO_ROOT / "configs" / "llama-3.1-8b" / "int8-sq.yaml"), steps, tmp_path / "build")}
+    assert 12 * gib < sq["the quantizer state (with the linear weights the calibration rescaled)"] < 15 * gib
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(100 * gib, 75 * gib,
+                                                                                            25 * gib))
+    (problem,) = preflight._disk_problems(loaded, steps, tmp_path / "build")
+    assert "this run writes about" in problem and "has 25.0 GiB free" in problem
+    assert "the base model's log-probabilities" in problem and "the engine 9.3 GiB" in problem

@@ -281,9 +281,24 @@ class EngineRuntime:
         text = log.read_text(encoding="utf-8", errors="replace")
         if proc.returncode != 0:
             tail = "".join(text.splitlines(keepends=True)[-20:])
+            kept = self._keep_log(log, job)
             raise RuntimeFailed(f"{job.name} failed in {self.describe()} (exit {proc.returncode}); last lines of "
-                                f"{log}:\n{tail}")
+                                f"{kept}:\n{tail}")
         return text
+
+    def _keep_log(self, log: Path, job: Job) -> Path:
+        """A failed job's log, copied out of the step's temporary output (removed when the step fails) to
+        ``<scratch>/logs/`` (the build folder's ``.engine-runtime``), so the path in the message stays readable."""
+        scratch = getattr(self, "scratch", None)
+        if scratch is None:
+            return log
+        kept = Path(scratch) / "logs" / f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+        try:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(log, kept)
+        except OSError:
+            return log
+        return kept.resolve()
 
     def _host_env(self) -> dict[str, str]:
         return dict(os.environ)

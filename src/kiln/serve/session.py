@@ -185,15 +185,11 @@ def serving_urls(repo: Optional[Path] = None, state_dir: Path = STATE_DIR) -> Op
     REPO's when given (an error when none runs for it), else the only one running; None when none runs (the
     caller falls back to the schema's default ports)."""
     if repo is not None:
-        f = state_file_for(repo, state_dir)
-        try:
-            state = json.loads(f.read_text()) if f.is_file() else None
-        except ValueError:
-            state = None
-        if not state or not _alive(state.get("pid")):
+        record = serving_record(repo, state_dir)  # the one reader of a repository's serving record and session
+        if record.running is None:
             raise InputError(f"--serving {repo}: no kiln serve is running for it (start one: kiln serve {repo} "
                              "--background)")
-        return state["urls"]
+        return record.urls()
     live = [(f, state) for f, state in running(state_dir) if _alive(state.get("pid"))]
     if len(live) > 1:
         raise InputError("several kiln serve are running (" + ", ".join(str(st.get("repo")) for _, st in live) +
