@@ -182,6 +182,8 @@ def schedule(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_ste
     scheduled: list[ScheduledStep] = []
     fingerprints: dict[str, str] = {}
     for index, name in enumerate(STEP_ORDER):
+        if name not in specs:  # a registry given in its place (tests' stand-in steps) may hold fewer steps
+            continue
         spec = specs[name]
         out_dir = layout.step_dir(spec, loaded)
         step_gpu = None

@@ -237,7 +237,8 @@ class EvaluationSection(DataSource):
     data files. Empty: no task gate."""
 
     task_defaults: TaskDefaults = TaskDefaults()
-    """`limit`, `num_fewshot`, `max_accuracy_drop_pct` and `concurrency` for every task that does not set its own."""
+    """`limit`, `num_fewshot` and `max_accuracy_drop_pct` for every task that does not set its own, and how many
+    requests lm-eval keeps in flight."""
 
 
 class ParallelismSection(Section):
