@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Protocol
 
 from kiln.models.tiny import builtin_chat_template
 from kiln.recipe.loader import LoadedRecipe, load_recipe
@@ -19,7 +19,7 @@ from kiln.steps.engine import ENGINE_SUBDIR, EngineResult
 from kiln.steps.placement import Placement, place_draft_target
 from kiln.triton.lint import lint_repository
 from kiln.triton.repository import RepoInputs, standin_engine_config, write_repository
-from kiln.util.artifacts import atomic_dir
+from kiln.util.artifacts import atomic_dir, read_manifest
 from kiln.util.errors import InputError, KilnError
 
 CHECKPOINT = "checkpoint"  # the quantize step's HF model + ModelOpt state + tokenizer
@@ -49,11 +49,15 @@ def _engine_dir(recipe: Recipe, build_dir: Path, quantize_dir: Path, max_seq_len
 
 
 def _draft_loaded(ctx: StepContext) -> Optional[LoadedRecipe]:
-    r = ctx.recipe
+    return _draft_of(ctx.loaded)
+
+
+def _draft_of(loaded: LoadedRecipe) -> Optional[LoadedRecipe]:
+    r = loaded.recipe
     ref = r.engine.speculative.draft_recipe
     if r.engine.speculative.mode != "draft_tokens_external" or not ref:
         return None
-    base = ctx.loaded.path.parent if ctx.loaded.path else Path(".")
+    base = loaded.path.parent if loaded.path else Path(".")
     return load_recipe(base / ref)
 
 
@@ -109,32 +113,78 @@ def package(ctx: StepContext) -> PackageResult:
     errors = [f for f in findings if f.severity == "error"]
     if errors:
         raise KilnError("the packaged repository fails kiln lint:\n  " + "\n  ".join(f.format() for f in errors))
-    deploy_files = _write_deploy(ctx, info, placement)
+    deploy_files = deploy_dir_for(ctx.final_dir) if r.target == "tensorrt" and ctx.final_dir is not None else None
     return PackageResult(summary=f"{len(info['models'])} models, lint clean"
                          + (f", container {info['container']}" if info["container"] else ", reference runtime (CPU)"),
                          models=len(info["models"]), container=info["container"] or "",
                          deploy=str(deploy_files) if deploy_files else "")
 
 
-def _write_deploy(ctx: StepContext, info: dict, placement: Optional[Placement]) -> Optional[Path]:
-    """Deployment files for the tensorrt target (the reference target is served locally by `kiln serve`)."""
-    r = ctx.recipe
-    if r.target != "tensorrt" or ctx.final_dir is None:
-        return None
+def write_deploy(loaded: LoadedRecipe, repo: Path, source: Optional[EntrySourceLike] = None) -> Optional[Path]:
+    """The package step's ``finish``: deployment files for the packaged repository ``repo`` (the tensorrt target,
+    and target pytorch on TensorRT-LLM; the reference runtime is served locally by `kiln serve`), rendered again
+    after every build or pull. With ``source`` (the remote-cache entry holding ``repo``) the pods' init step pulls
+    it by digest; without, they mount a volume the user fills. Pods are sized from the plan."""
+    from kiln.recipe.schema import llmapi_runtime
     from kiln.triton.deploy import DeployInfo, validate_manifests, write_deploy_files
+    from kiln.triton.deploy.info import sizing_for
 
-    deploy = DeployInfo.from_recipe(
-        r, info["container"], hub_token_secret="hf-token" if r.model.source.startswith(HF_PREFIX) else None,
-        draft_model_name="tensorrt_llm_draft" if "tensorrt_llm_draft" in info["models"] else None,
-        orchestrator=bool(placement and placement.orchestrator),
-        orchestrator_gpus=_gpus_used(placement))
-    final = deploy_dir_for(ctx.final_dir)
+    r = loaded.recipe
+    llmapi = r.target == "pytorch"
+    if not (r.target == "tensorrt" or (llmapi and llmapi_runtime(r) == "tensorrt_llm")):
+        return None
+    info = json.loads((repo / "kiln.json").read_text(encoding="utf-8"))
+    manifest = read_manifest(repo) or {}
+    repo_bytes = sum(int(v) for v in (manifest.get("files") or {}).values())
+    hub = "hf-token" if r.model.source.startswith(HF_PREFIX) else None
+    extra: dict = {}
+    if not llmapi:
+        draft_loaded = _draft_of(loaded)
+        placement = place_draft_target(loaded, draft_loaded) if draft_loaded else None
+        extra = {"draft_model_name": "tensorrt_llm_draft" if "tensorrt_llm_draft" in info["models"] else None,
+                 "orchestrator": bool(placement and placement.orchestrator), "orchestrator_gpus": _gpus_used(placement)}
+    deploy = DeployInfo.from_recipe(r, info["container"], hub_token_secret=hub, **extra,
+                                    repo_pull=_repo_pull(loaded, info, source),
+                                    sizing=sizing_for(r, repo_bytes=repo_bytes))
+    final = deploy_dir_for(repo)
     with atomic_dir(final) as tmp:
-        written = write_deploy_files(deploy, tmp, model_repo=ctx.final_dir)
+        written = write_deploy_files(deploy, tmp, model_repo=repo)
         problems = validate_manifests([p for p in written if p.suffix in (".yaml", ".yml") and "k8s" in p.parts])
         if problems:
             raise KilnError("generated Kubernetes manifests do not validate:\n  " + "\n  ".join(problems))
+        if llmapi:
+            from kiln.triton.llmapi_repository import write_trtllm_serve_files
+
+            write_trtllm_serve_files(r, info, tmp)
     return final
+
+
+class EntrySourceLike(Protocol):
+    cache: str
+    tag: str
+    digest: str
+
+
+def _repo_pull(loaded: LoadedRecipe, info: dict, source: Optional[EntrySourceLike]):
+    """How the pods fetch the repository: by digest from the remote cache, its recorded versions expected to be the
+    serving image's (kiln's container table); the init image pinned by the user or kiln's own (a warning)."""
+    if source is None:
+        return None
+    from kiln import __version__
+    from kiln.recipe.containers import row_for
+    from kiln.triton.deploy.info import RepoPull
+
+    s = loaded.recipe.serving
+    image = info["container"]
+    expect = [f"kiln.json:container={image}"]
+    row = row_for(image)
+    if row is not None and loaded.recipe.target == "tensorrt":
+        expect += [f"kiln.json:engine.tensorrt_llm={row.tensorrt_llm}", f"kiln.json:engine.tensorrt={row.tensorrt}"]
+    elif row is not None:
+        expect.append(f"kiln.json:serving_tensorrt_llm={row.tensorrt_llm}")
+    init_image = s.init_image or f"kiln-init:{__version__}"  # not pinned: recipe rule `init_image` warns
+    return RepoPull(cache=source.cache, tag=source.tag, digest=source.digest, init_image=init_image,
+                    registry_secret=s.registry_secret, cache_pvc=s.repo_cache_pvc, expect=tuple(expect))
 
 
 def _package_llmapi(ctx: StepContext, quantize_dir: Path, max_seq_len: int) -> PackageResult:
@@ -165,19 +215,7 @@ def _package_llmapi(ctx: StepContext, quantize_dir: Path, max_seq_len: int) -> P
     errors = [f for f in findings if f.severity == "error"]
     if errors:
         raise KilnError("the packaged repository fails kiln lint:\n  " + "\n  ".join(f.format() for f in errors))
-    deploy = None
-    if llmapi_runtime(r) == "tensorrt_llm" and ctx.final_dir is not None:
-        from kiln.triton.deploy import DeployInfo, validate_manifests, write_deploy_files
-
-        deploy = deploy_dir_for(ctx.final_dir)
-        with atomic_dir(deploy) as tmp:
-            written = write_deploy_files(DeployInfo.from_recipe(
-                r, info["container"], hub_token_secret="hf-token" if r.model.source.startswith(HF_PREFIX) else None),
-                tmp, model_repo=ctx.final_dir)
-            problems = validate_manifests([p for p in written if p.suffix in (".yaml", ".yml") and "k8s" in p.parts])
-            if problems:
-                raise KilnError("generated Kubernetes manifests do not validate:\n  " + "\n  ".join(problems))
-            write_trtllm_serve_files(r, info, tmp)
+    deploy = deploy_dir_for(ctx.final_dir) if llmapi_runtime(r) == "tensorrt_llm" and ctx.final_dir else None
     where = (f"container {info['container']}" if info["container"] else
              "CPU reference runtime (a test and development vehicle)")
     return PackageResult(summary=f"llmapi repository (1 model), lint clean, {where}", models=1,
@@ -248,4 +286,5 @@ SPEC = StepSpec(
     tools=("tritonclient",),
     input_hashes=_sources_hash,
     output_dir=_output_dir,
+    finish=write_deploy,
 )
