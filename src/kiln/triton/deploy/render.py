@@ -32,17 +32,6 @@ from kiln.triton.deploy.info import (
 )
 from kiln.util.errors import InputError
 
-#: Sizing when a DeployInfo carries none (a caller outside the package step): the plan's formulas with no weights
-#: counted; the package step always passes the recipe's figures.
-def _default_sizing() -> PodSizing:
-    from kiln.plan.host import pod_sizing
-
-    return pod_sizing(rank_weight_bytes=0, total_weight_bytes=0, ranks_on_pod=1, gpus_on_pod=1, vocab_size=0,
-                      python_models=3, tokenizer_loads=2, basis="no plan: kiln's defaults")
-
-
-_DEFAULT_SIZING = _default_sizing()
-
 #: Files kiln writes under ``k8s/``; any of them left from an earlier package run is removed.
 K8S_FILES = ("deployment.yaml", "service.yaml", "leaderworkerset.yaml", "configmap.yaml")
 
@@ -386,7 +375,16 @@ def _server_ports(info: DeployInfo) -> list[dict[str, Any]]:
 
 
 def _sizing(info: DeployInfo) -> PodSizing:
-    return info.sizing or _DEFAULT_SIZING
+    """The pod's figures: the plan's (the package step passes them), else the same formulas with no weights
+    counted (a caller that built a DeployInfo by hand)."""
+    if info.sizing is not None:
+        return info.sizing
+    from kiln.plan.host import pod_sizing
+
+    gpus = max(info.gpus_per_pod, 1)
+    return pod_sizing(rank_weight_bytes=0, total_weight_bytes=0, ranks_on_pod=gpus, gpus_on_pod=gpus, vocab_size=0,
+                      python_models=1 if info.llmapi else 3, tokenizer_loads=1 if info.llmapi else 2,
+                      basis="no plan given: weights not counted")
 
 
 def _resources(info: DeployInfo) -> dict[str, Any]:
