@@ -99,6 +99,8 @@ def fetch(cache: str, tag: str, digest: str, into: Path, expectations: Sequence[
     try:
         transfer = artifact.pull(reg, entry, tmp)
         check_expectations(tmp, expectations, where)
+        # the step manifest (the entry's config) beside the files, as the build that made them wrote it
+        (tmp / artifact.MANIFEST_NAME).write_text(json.dumps(entry.config, indent=2, sort_keys=True))
         (tmp / DONE_MARK).write_text(digest + "\n")
         os.replace(tmp, into)
     finally:
