@@ -215,3 +215,15 @@ def test_the_init_command_pulls_the_package_entry_and_it_serves_the_same_text(de
         served = generate_http(server.urls()["http"], prompt, 16)
     assert served == generate_http(default_server.urls()["http"], prompt, 16)
     assert json.loads((pulled / "kiln.json").read_text())["fingerprint"] == p.fingerprint
+
+
+def test_recorded_versions_that_disagree_are_refused_all_at_once(tmp_path):
+    from kiln.cache.fetch import Refused, check_expectations
+
+    (tmp_path / "kiln.json").write_text(json.dumps({"engine": {"tensorrt_llm": "1.1.0", "tensorrt": "10.11.0"}}))
+    check_expectations(tmp_path, [("kiln.json", "engine.tensorrt_llm", "1.1.0")], "entry")
+    with pytest.raises(Refused) as err:
+        check_expectations(tmp_path, [("kiln.json", "engine.tensorrt_llm", "1.2.1"),
+                                      ("kiln.json", "engine.tensorrt", "10.14.1.48")], "entry")
+    assert "engine.tensorrt_llm = '1.1.0'; this deployment's image needs '1.2.1'" in str(err.value)
+    assert "engine.tensorrt = '10.11.0'" in str(err.value) and "Rebuild" in str(err.value)

@@ -109,6 +109,7 @@ def package(ctx: StepContext) -> PackageResult:
             chat_template=builtin_chat_template(r.model.source))
         with ctx.status("writing the Triton repository"):
             info = write_repository(inputs, ctx.out_dir, max_seq_len, final=ctx.final_dir)
+    _keep_empty_dirs(ctx.out_dir)
     findings = lint_repository(ctx.out_dir)
     errors = [f for f in findings if f.severity == "error"]
     if errors:
@@ -211,6 +212,7 @@ def _package_llmapi(ctx: StepContext, quantize_dir: Path, max_seq_len: int) -> P
                                        fingerprint=ctx.fingerprint, quality=quality,
                                        draft_checkpoint=draft, image=r.engine_runtime.image,
                                        image_digest=produced.get("image_digest"))
+    _keep_empty_dirs(ctx.out_dir)
     findings = lint_repository(ctx.out_dir)
     errors = [f for f in findings if f.severity == "error"]
     if errors:
@@ -220,6 +222,17 @@ def _package_llmapi(ctx: StepContext, quantize_dir: Path, max_seq_len: int) -> P
              "CPU reference runtime (a test and development vehicle)")
     return PackageResult(summary=f"llmapi repository (1 model), lint clean, {where}", models=1,
                          container=info["container"] or "", deploy=str(deploy) if deploy else "")
+
+
+KEEP_FILE = ".kiln-keep"
+
+
+def _keep_empty_dirs(repo: Path) -> None:
+    """A file in every empty directory (the ensemble's version folder): the repository travels as a cache entry of
+    files, and an empty version folder that did not arrive leaves the ensemble unloadable ("No model version")."""
+    for d in sorted(p for p in repo.rglob("*") if p.is_dir()):
+        if not any(d.iterdir()):
+            (d / KEEP_FILE).write_text("kept so that this folder survives transport as a remote-cache entry\n")
 
 
 def _gpus_used(placement: Optional[Placement]) -> int:
