@@ -12,13 +12,13 @@ PYTEST_ARGS ?=
 KILN := $(VENV)/bin/kiln
 STAMP := $(VENV)/.kiln-installed
 
-.PHONY: install engine test test-unit serve lint-imports bench clean
+.PHONY: install engine test test-unit serve lint-imports bench clean image-env
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
-	$(VENV)/bin/python -m pip install -q -e '.[serve,dev]'
+	$(VENV)/bin/python -m pip install -q -e '.[serve,dev,eval]'
 	touch $@
 
 install: $(STAMP)
@@ -32,12 +32,17 @@ serve: $(STAMP)
 lint-imports: $(STAMP)
 	$(VENV)/bin/lint-imports
 
-test: $(STAMP)
+test: $(STAMP) image-env
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(VENV)/bin/python -m pytest -m "not integration" $(PYTEST_ARGS)
+
+# The NGC image's Python packages (the container table's row for TensorRT-LLM 1.2.1) in a cached venv, for the
+# image_env tests (tests/image_env.py); a no-op when up to date.
+image-env: $(STAMP)
+	KILN_IMAGE_ENV_TORCH="$(TORCH_SPEC)" $(VENV)/bin/python -m tests.image_env
 
 clean:
 	rm -rf build triton_repo

@@ -196,3 +196,34 @@ def tiny_greedy(tiny_build):
         return cache[key]
 
     return greedy
+
+
+# ------------------------------------------------------------------ the image's Python environment (image_env)
+def pytest_report_header(config):
+    from tests import image_env
+
+    return image_env.header()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The image-environment matrix (marker image_env_matrix) runs only when -m names image_env; the default run
+    keeps the representative image_env cases."""
+    if "image_env" in (config.option.markexpr or ""):
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if item.get_closest_marker("image_env_matrix") else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.fixture(scope="session")
+def image_python() -> Path:
+    """The image environment's python (tests/image_env.py); the test skips, naming the command, without it."""
+    from tests import image_env
+
+    found = image_env.python()
+    if found is None:
+        pytest.skip(image_env.missing_reason())
+    return found

@@ -590,6 +590,18 @@ def test_openai_bench_has_the_same_report(mock_server, tmp_path: Path) -> None:
         for lv in report.levels:
             assert lv.completed > 3 and lv.mismatches == 0 and lv.output_tokens == lv.completed * OUT_LEN
             assert 0 < lv.ttft_p50_ms <= lv.e2e_p50_ms and lv.itl_p50_ms >= 0.9  # the mock sleeps 1 ms per token
+        # The bench never counts fewer tokens than it saw chunks, so the figures above hold even if the server's
+        # usage said 1: read the usage itself, streamed and not (OUT_LEN tokens each).
+        import requests
+
+        body = {"model": "mock_counts", "prompt": prompts[0], "max_tokens": OUT_LEN}
+        plain = requests.post(f"{url}/completions", json=body, timeout=30).json()
+        assert plain["usage"]["completion_tokens"] == OUT_LEN, plain
+        streamed = requests.post(f"{url}/completions", json={**body, "stream": True,
+                                                             "stream_options": {"include_usage": True}}, timeout=30)
+        events = [json.loads(line[5:]) for line in streamed.text.splitlines()
+                  if line.startswith("data:") and line.strip() != "data: [DONE]"]
+        assert [e["usage"]["completion_tokens"] for e in events if e.get("usage")] == [OUT_LEN], events
         failing = run_bench(BenchConfig(url=url, api="openai", concurrency=(2,), duration_s=1.0, output_len=OUT_LEN,
                                         prompts=(prompts[0], "kiln-mock-fail now")))
         level = failing.levels[0]

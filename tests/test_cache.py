@@ -152,6 +152,7 @@ def _summary(failure=None, gate_pct: float = 10.0) -> RunSummary:
                     gates=quality_gates(recipe, ev)),
         StepOutcome("engine", Status.NOT_RUN),
         StepOutcome("package", Status.NOT_RUN),
+        StepOutcome("tasks", Status.NOT_RUN),
     ]
     return RunSummary("x", outcomes, failure, 4.5, cache="oci+http://127.0.0.1:1/c")
 
@@ -186,7 +187,7 @@ def test_junit_has_a_case_per_step_and_per_gate_criterion_with_the_figures():
     assert cases[("steps", "evaluate")].find("failure") is None  # the measurement ran; the gate failed
     assert cases[("steps", "engine")].find("skipped") is not None
     assert "pulled from: oci+http://" in cases[("steps", "quantize")].find("system-out").text
-    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("7", "1", "2")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("8", "1", "3")
 
 
 def test_the_schedule_json_validates_and_gives_every_fingerprint(tmp_path, write_recipe):

@@ -291,19 +291,28 @@ def test_plan_workload_json_has_exactly_the_issue_fields_and_the_table_shows_the
     from kiln.plan import Workload, plan_for
     from kiln.recipe.loader import load_recipe as load
 
-    plan = _json(kiln("plan", TP4, "--isl", "1000", "--osl", "1000", "--concurrency", "32", "--json"))
-    assert list(plan["workload"]) == WORKLOAD_FIELDS
-    expected = plan_for(load(TP4), workload=Workload(1000, 1000, 32)).workload
-    assert plan["workload"] == pytest.approx(expected.__dict__)
-    assert (plan["workload"]["batch"], plan["workload"]["limited_by"]) == (32, "concurrency")
-    # tokens/s per GPU is the total over the tp 4 engine's GPUs.
-    assert plan["workload"]["output_tokens_per_s_per_gpu"] == pytest.approx(expected.output_tokens_per_s / 4)
+    # isl ≠ osl, so a swap of the two on the way from the command line to the model shows.
+    plan = _json(kiln("plan", TP4, "--isl", "1000", "--osl", "200", "--concurrency", "32", "--json"))
+    wl = plan["workload"]
+    assert list(wl) == WORKLOAD_FIELDS
+    assert (wl["isl"], wl["osl"], wl["concurrency"], wl["batch"], wl["limited_by"]) == (1000, 200, 32, 32,
+                                                                                        "concurrency")
+    # The figures hang together as the speed basis says, whatever the step times are:
+    #   E2E = TTFT + (osl − 1) × TPOT; 32 requests in flight each for E2E (Little's law):
+    #   tokens/s = 32 / E2E × osl; per GPU = tokens/s / (tp 4 × pp 1).
+    assert wl["e2e_ms"] == pytest.approx(wl["ttft_ms"] + 199 * wl["tpot_ms"], rel=1e-9)
+    assert wl["output_tokens_per_s"] == pytest.approx(32 / (wl["e2e_ms"] / 1e3) * 200, rel=1e-9)
+    assert wl["output_tokens_per_s_per_gpu"] == pytest.approx(wl["output_tokens_per_s"] / 4, rel=1e-12)
+    # ... and they are this workload's, not the swapped one's (which the model predicts differently).
+    swapped = plan_for(load(TP4), workload=Workload(200, 1000, 32)).workload
+    assert wl["e2e_ms"] != pytest.approx(swapped.e2e_ms, rel=1e-3)
+    assert wl["ttft_ms"] != pytest.approx(swapped.ttft_ms, rel=1e-3)
     assert "PyTorch backend" in plan["speed"]["anchors"] and "proxy" in plan["speed"]["anchors"]
-    table = " ".join(kiln("plan", TP4, "--isl", "1000", "--osl", "1000", "--concurrency", "32").output.split())
-    for text in ("Workload: isl 1000, osl 1000, concurrency 32", "32 (limited by concurrency",
-                 f"TTFT {expected.ttft_ms:,.1f} ms", f"TPOT {expected.tpot_ms:,.2f} ms",
-                 f"E2E {expected.e2e_ms:,.0f} ms",
-                 f"{expected.output_tokens_per_s:,.0f} total, {expected.output_tokens_per_s_per_gpu:,.0f} per GPU",
+    table = " ".join(kiln("plan", TP4, "--isl", "1000", "--osl", "200", "--concurrency", "32").output.split())
+    for text in ("Workload: isl 1000, osl 200, concurrency 32", "32 (limited by concurrency",
+                 f"TTFT {wl['ttft_ms']:,.1f} ms", f"TPOT {wl['tpot_ms']:,.2f} ms",
+                 f"E2E {wl['e2e_ms']:,.0f} ms",
+                 f"{wl['output_tokens_per_s']:,.0f} total, {wl['output_tokens_per_s_per_gpu']:,.0f} per GPU",
                  "PyTorch backend"):
         assert text in table, text
     # No workload, no speed section (the memory plan alone, as before).

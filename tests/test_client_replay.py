@@ -191,3 +191,30 @@ def test_speculative_decoding_client_inputs_are_accepted(tiny_server, tiny_greed
     assert {"use_draft_logits", "num_draft_tokens"} <= {i["name"] for i in speculative["inputs"]}
     [error] = replay_stream(tiny_server, speculative)
     assert "needs a draft model" in str(error) and "unexpected" not in str(error)
+
+
+def test_inflight_batcher_llm_client_request_as_a_batch_of_two_is_answered_per_item(tiny_server, tiny_greedy):
+    """The recorded request with its batch made 2 (the recorded prompt and a shorter one, padded: upstream's
+    tensor contract allows any batch): as upstream's backend answers it (inflight_batcher_llm/src/
+    model_instance_state.cc at c2e65b8), each item streams on its own with batch_index [[i]] and its tokens."""
+    import copy
+
+    [request] = load("inflight_batcher_llm_client_stream")["requests"]
+    request = copy.deepcopy(request)
+    prompt = recorded(request, "input_ids")[0].tolist()
+    second = prompt[:6]
+    for spec in request["inputs"]:
+        if spec["name"] == "input_ids":
+            spec["value"] = [prompt, second + [0] * (len(prompt) - len(second))]
+        elif spec["name"] == "input_lengths":
+            spec["value"] = [[len(prompt)], [len(second)]]
+        else:
+            spec["value"] = spec["value"] * 2
+        spec["shape"] = [2, *spec["shape"][1:]]
+    n = int(recorded(request, "request_output_len")[0, 0])
+    tokens: dict[int, list[int]] = {}
+    for result in only_results(replay_stream(tiny_server, request)):
+        index, output_ids = result.as_numpy("batch_index"), result.as_numpy("output_ids")
+        assert index is not None and index.shape == (1, 1) and output_ids.shape[:2] == (1, 1)
+        tokens.setdefault(int(index[0, 0]), []).extend(output_ids[0, 0, : result.as_numpy("sequence_length")[0, 0]])
+    assert tokens == {0: tiny_greedy(prompt, n)[1], 1: tiny_greedy(second, n)[1]}

@@ -227,3 +227,24 @@ def test_recorded_versions_that_disagree_are_refused_all_at_once(tmp_path):
                                       ("kiln.json", "engine.tensorrt", "10.14.1.48")], "entry")
     assert "engine.tensorrt_llm = '1.1.0'; this deployment's image needs '1.2.1'" in str(err.value)
     assert "engine.tensorrt = '10.11.0'" in str(err.value) and "Rebuild" in str(err.value)
+
+
+def test_every_dynamo_service_pulls_the_repository_and_is_sized_from_the_plan():
+    from kiln.triton.deploy.dynamo import DynamoDeploy, dynamo_image, graph_deployment, validate_graph_deployment
+
+    recipe = load_recipe(ROOT / "configs/tiny-llama.yaml", overrides=(
+        "target=pytorch", "serving.llmapi_runtime=tensorrt_llm", "model.source=hf:meta-llama/Llama-3.1-8B",
+        "model.dtype=bfloat16", "quantization.format=fp8")).recipe
+    sizing = sizing_for(recipe)
+    d = DynamoDeploy.from_recipe(recipe, dynamo_image(recipe), repo_pull=_pull(), sizing=sizing)
+    for disaggregated in (False, True):
+        graph = graph_deployment(d, disaggregated)
+        assert validate_graph_deployment(graph) == []
+        for component in graph["spec"]["components"]:
+            spec = component["podTemplate"]["spec"]
+            assert spec["initContainers"][0]["command"] == _pull().command()
+            for c in spec["containers"] + spec["initContainers"]:
+                for kind in ("requests", "limits"):
+                    assert {"cpu", "memory"} <= set(c["resources"][kind]), (component["name"], c["name"], kind)
+            if component["type"] != "frontend":
+                assert spec["containers"][0]["resources"]["requests"]["memory"] == f"{sizing.memory_mib}Mi"

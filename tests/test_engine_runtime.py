@@ -78,8 +78,8 @@ def test_docker_command_is_nvidias_documented_one(tmp_path: Path) -> None:
 
 
 def test_podman_uses_cdi_and_keeps_the_callers_ids(tmp_path: Path) -> None:
-    argv = ContainerRuntime("podman", "podman", IMAGE, gpus="0,1", scratch=tmp_path, user=(1234, 56)).command(
-        job(tmp_path))
+    argv = ContainerRuntime("podman", "podman", IMAGE, gpus="0,1", scratch=tmp_path, user=(1234, 56),
+                            rootless=True).command(job(tmp_path))
     assert argv[5:15] == ["--device", "nvidia.com/gpu=0", "--device", "nvidia.com/gpu=1", "--security-opt",
                           "label=disable", "--userns", "keep-id", "--ipc=host", "--ulimit"]
     assert "--gpus" not in argv and argv[argv.index("--user") + 1] == "1234:56"
@@ -88,7 +88,8 @@ def test_podman_uses_cdi_and_keeps_the_callers_ids(tmp_path: Path) -> None:
 
 
 def test_apptainer_for_clusters_without_docker(tmp_path: Path) -> None:
-    argv = ContainerRuntime("apptainer", "apptainer", IMAGE, gpus="2", scratch=tmp_path / "s").command(job(tmp_path))
+    argv = ContainerRuntime("apptainer", "apptainer", IMAGE, gpus="2", scratch=tmp_path / "s",
+                            host_env={}).command(job(tmp_path))
     assert argv[:5] == ["apptainer", "exec", "--nv", "--cleanenv", "--no-home"]
     assert f"{tmp_path / 'ckpt'}:/kiln/in/checkpoint:ro" in argv and f"{tmp_path / 'out'}:/kiln/out:rw" in argv
     assert argv[argv.index("--pwd") + 1] == "/kiln/out" and "CUDA_VISIBLE_DEVICES=2" in argv

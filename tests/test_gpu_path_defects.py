@@ -156,3 +156,33 @@ def test_kiln_serve_refuses_an_engine_built_by_other_versions(tmp_path, kiln, mo
     assert "tensorrt_llm: the engine was built with 1.2.1, this environment has 1.1.0" in result.output
     assert "kiln build stub --from engine --set engine_runtime.trtllm_version=1.1.0" in result.output
     assert "Traceback" not in result.output and sys.modules.get("tensorrt_llm") is None
+
+
+@pytest.mark.parametrize(("host_trtllm", "host_tensorrt", "differs", "same"), [
+    ("1.2.1", "10.13.3.9", "tensorrt: the engine was built with 10.14.1.48, this environment has 10.13.3.9",
+     "tensorrt_llm:"),
+    ("1.1.0", "10.14.1.48", "tensorrt_llm: the engine was built with 1.2.1, this environment has 1.1.0",
+     "tensorrt:"),
+])
+def test_the_shipped_engine_check_refuses_a_mismatch_of_either_version_alone(tmp_path, host_trtllm, host_tensorrt,
+                                                                            differs, same) -> None:
+    """The script launch.sh and `kiln serve` run in the serving container, run as they run it: one version of the
+    two differing is enough to refuse (an engine serialized by TensorRT 10.14 does not load in 10.13 even under
+    the same TensorRT-LLM), and the message names only the one that differs."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.standins import serving_site, stub_repository
+
+    repo = stub_repository(tmp_path / "repo", trtllm="1.2.1", tensorrt="10.14.1.48")
+
+    def check(trtllm: str, tensorrt: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONPATH": str(serving_site(tmp_path, trtllm, tensorrt))}
+        return subprocess.run([sys.executable, "-S", str(repo / "kiln_check_engine.py"), str(repo)], env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    refused = check(host_trtllm, host_tensorrt)
+    assert refused.returncode == 3, refused.stderr
+    assert differs in refused.stderr and same not in refused.stderr.replace(differs, "")
+    assert check("1.2.1", "10.14.1.48").returncode == 0  # the same stand-in site with both versions agreeing

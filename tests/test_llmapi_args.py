@@ -76,7 +76,7 @@ def test_the_variants_emit_every_key_kiln_writes() -> None:
     ({"kv_cache_config": {"enable_kv_cache_reuse": True}}, "kv_cache_config.enable_kv_cache_reuse: unknown key"),
     ({"speculative_config": {"decoding_type": "Medusa", "max_draft_len": 4}}, "Medusa does not run on the PyTorch"),
     ({"speculative_config": {"decoding_type": "DraftTarget", "max_draft_len": 4}},
-     "speculative_config.speculative_model_dir: needed by DraftTarget"),
+     "speculative_config.speculative_model: needed by DraftTarget"),
     ({"speculative_config": {"decoding_type": "Draft_Target", "max_draft_len": 4}}, "speculative_config"),
     ({"scheduler_config": {"capacity_scheduler_policy": "guaranteed_no_evict"}},
      "scheduler_config.capacity_scheduler_policy"),
@@ -229,3 +229,19 @@ def test_pytorch_quantizes_in_the_engine_runtime_only_on_a_gpu_host_and_only_wha
     monkeypatch.setattr(schema, "gpu_here", lambda: False)
     assert schema.quantization_runtime(pytorch()) == "host" and schema.llmapi_runtime(pytorch()) == "reference"
     assert schema.llmapi_runtime(pytorch("parallelism.tp=2")) == "tensorrt_llm"  # the reference runs one process
+
+
+def test_tensorrt_llm_1_2_1_speculative_fields_and_the_speculative_model_alias() -> None:
+    """1.2.1's DecodingBaseConfig (issue 20): `speculative_model` with `speculative_model_dir` as its alias,
+    `draft_len_schedule`, `allow_advanced_sampling`; Eagle's `eagle3_model_arch`. A valid upstream model.yaml using
+    them passes strict checking; a misspelling still fails."""
+    base = {"model": "/m", "speculative_config": {"decoding_type": "DraftTarget", "max_draft_len": 4}}
+    for spec in ({"speculative_model": "/d"}, {"speculative_model_dir": "/d"},
+                 {"speculative_model": "/d", "draft_len_schedule": {1: 4, 8: 0}, "allow_advanced_sampling": True}):
+        args = {**base, "speculative_config": {**base["speculative_config"], **spec}}
+        assert llmapi.check_llm_args(args, "1.2.1") == [], spec
+    eagle = {"model": "/m", "speculative_config": {"decoding_type": "Eagle", "max_draft_len": 3,
+                                                   "speculative_model": "/e", "eagle3_model_arch": "llama3"}}
+    assert llmapi.check_llm_args(eagle, "1.2.1") == []
+    typo = {**base, "speculative_config": {**base["speculative_config"], "speculative_models": "/d"}}
+    assert any("speculative_models: unknown key" in p for p in llmapi.check_llm_args(typo, "1.2.1"))

@@ -30,10 +30,19 @@ def body(**fields) -> bytes:
     ({"temperature": "hot"}, "temperature", "must be a number"),
     ({"top_p": 0}, "top_p", "greater than 0"),
     ({"max_tokens": 0}, "max_tokens", "at least 1"),
-    ({"logprobs": 2}, "logprobs", "top alternatives"),
+    ({"logprobs": 2}, "logprobs", "only the top-1 alternative"),
+    ({"logprobs": 1}, "logprobs", "served with echo"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
-    ({"echo": True}, "echo", "echo is not supported"),
+    ({"echo": True, "max_tokens": 2}, "max_tokens", "max_tokens 0 or 1"),
+    ({"echo": True, "max_tokens": 1, "temperature": 0.5}, "temperature", "greedy token"),
+    ({"echo": True, "max_tokens": 0, "stream": True}, "stream", "not served streamed"),
     ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+    ({"prompt": [[1, 2], [3]]}, "prompt", "one prompt per request"),
+    ({"prompt": [1, "a"]}, "prompt", "list of token ids"),
+    ({"suffix": "x"}, "suffix", "suffix is not supported"),
+    ({"wizardry": 1, "zz": 2}, "wizardry", "Unrecognized request argument supplied: wizardry, zz"),
+    ({"ignore_eos": "yes"}, "ignore_eos", "true or false"),
+    ({"min_tokens": -1}, "min_tokens", "at least 0"),
     ({"presence_penalty": 0.5}, "presence_penalty", "only 0"),
     ({"model": ""}, "model", "model is required"),
 ])
@@ -42,6 +51,21 @@ def test_bad_requests_name_the_parameter(fields: dict, param: str, needle: str) 
         parse_request(body(**fields), chat=False)
     assert info.value.status == 400 and info.value.param == param and needle in info.value.message
     assert info.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_token_id_prompts_echo_and_extensions_parse() -> None:
+    assert parse_request(body(prompt=[1, 100, 200]), chat=False).prompt_ids == [1, 100, 200]
+    assert parse_request(body(prompt=[[1, 100]]), chat=False).prompt_ids == [1, 100]
+    req = parse_request(body(echo=True, max_tokens=0, logprobs=1, temperature=0, ignore_eos=True, min_tokens=3),
+                        chat=False)
+    assert (req.echo, req.max_tokens, req.logprobs, req.top_logprobs) == (True, 0, True, 1)
+    assert req.ignore_eos and req.min_tokens == 3 and "min_tokens" in req.explicit
+    with pytest.raises(APIError, match="not a role") as info:
+        parse_request(json.dumps({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}).encode(), chat=True)
+    assert info.value.param == "messages[0].role"
+    with pytest.raises(APIError, match="Unrecognized request argument supplied: echo"):
+        parse_request(json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "echo": True}).encode(),
+                      chat=True)
 
 
 def test_chat_request_defaults_and_refusals() -> None:

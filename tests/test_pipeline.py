@@ -54,6 +54,7 @@ SPECS = {
     "engine": _spec("engine", ("engine",), after=("quantize",)),
     "package": _spec("package", ("serving", "engine"), after=("engine", "evaluate"),
                      output_dir=lambda loaded, root: root / loaded.recipe.name),
+    "tasks": _spec("tasks", ("evaluation.task_defaults",)),  # after package for real; standalone here
 }
 
 
@@ -139,7 +140,7 @@ def test_from_and_to(recipe_file, layout):
     build(recipe_file, layout)
     CALLS.clear()
     build(recipe_file, layout, from_step="engine")
-    assert CALLS == ["engine", "package"]
+    assert CALLS == ["engine", "package", "tasks"]
     CALLS.clear()
     build(recipe_file, layout, from_step="evaluate", to_step="evaluate")
     assert CALLS == ["evaluate"]
@@ -165,13 +166,13 @@ def test_dry_run_explains_which_field_changed(recipe_file, layout, capsys):
     build(recipe_file, layout)
     loaded = load_recipe(recipe_file, ["quantization.format=fp8"])
     planned = runner.schedule(loaded, layout)
-    assert [p.action for p in planned] == ["skip", "run", "run", "run", "run"]
+    assert [p.action for p in planned] == ["skip", "run", "run", "run", "run", "skip"]
     assert any("quantization.format: int8_sq → fp8" in r for r in planned[1].reasons)
     assert any("upstream quantize" in r for r in planned[2].reasons)
     runner.describe_schedule(planned, loaded, Console(width=200))
     out = capsys.readouterr().out
     assert "skip" in out and "quantization.format: int8_sq → fp8" in out
-    assert CALLS == ["resolve", "quantize", "evaluate", "engine", "package"]  # only the first build ran anything
+    assert CALLS == ["resolve", "quantize", "evaluate", "engine", "package", "tasks"]  # only the first build ran anything
 
 
 def test_failed_step_leaves_previous_complete_output(recipe_file, layout):

@@ -24,8 +24,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPE = REPO_ROOT / "configs" / "tiny-llama.yaml"
 # Evaluation is off here to keep the test short: the evaluate worker grades a pytorch checkpoint exactly as it grades
 # a tensorrt one (the same checkpoint/ + modelopt_state.pth), which test_engine_runtime.py runs in the stand-in.
+# Serving values off their defaults, so the files are seen to carry the recipe's values, not constants.
 SETS = ["target=pytorch", "quantization.calibration.samples=4", "quantization.calibration.max_seq_len=64",
-        "evaluation.enabled=false", "hardware.gpu=H100-SXM"]
+        "evaluation.enabled=false", "hardware.gpu=H100-SXM", "engine.max_batch_size=24",
+        "serving.kv_cache_free_gpu_mem_fraction=0.77", "serving.max_tokens_in_paged_kv_cache=12288"]
 
 
 def kiln(*args: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
@@ -80,7 +82,16 @@ def test_the_gpu_repository_deploy_and_trtllm_serve_files(built) -> None:
     options = yaml.safe_load((deploy / "trtllm-serve" / "llm_options.yaml").read_text())
     assert "model" not in options and check_llm_args({**options, "model": "x"}) == []
     model_yaml = yaml.safe_load((repo / "tensorrt_llm" / "1" / "model.yaml").read_text())
-    assert options == {k: v for k, v in model_yaml.items() if k not in ("model", "triton_config")}
+    # Both files carry the recipe's values (written out here from the recipe and SETS, not from kiln's output).
+    recipe_args = {"dtype": "float32", "trust_remote_code": False, "tensor_parallel_size": 1,
+                   "pipeline_parallel_size": 1, "max_batch_size": 24, "max_input_len": 256, "max_num_tokens": 2048,
+                   "max_seq_len": 512, "max_beam_width": 1, "enable_chunked_prefill": False,
+                   "kv_cache_config": {"free_gpu_memory_fraction": 0.77, "enable_block_reuse": True,
+                                       "tokens_per_block": 32, "dtype": "auto", "max_tokens": 12288},
+                   "scheduler_config": {"capacity_scheduler_policy": "GUARANTEED_NO_EVICT"}}
+    assert options == recipe_args
+    assert model_yaml == {**recipe_args, "model": "checkpoint",
+                          "triton_config": {"max_batch_size": 0, "decoupled": True, "cancellation_check_period_ms": 100}}
     serve = (deploy / "trtllm-serve" / "serve.sh").read_text()
     assert 'trtllm-serve serve "${MODEL_REPO}/tensorrt_llm/1/checkpoint"' in serve
     assert '--extra_llm_api_options "$(dirname "$0")/llm_options.yaml"' in serve

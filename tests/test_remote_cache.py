@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import os
 from pathlib import Path
 
@@ -236,7 +235,19 @@ def test_an_up_to_date_output_the_registry_lacks_is_pushed(recipe_file, tmp_path
     again = build(recipe_file, tmp_path / "a")
     assert set(statuses(again).values()) == {"skipped"}
     assert {o.name for o in again.outcomes if o.pushed_to} == {"quantize", "evaluate", "engine", "package"}
-    assert json.loads(json.dumps([o.pushed_to for o in again.outcomes]))  # plain strings
+    # Each pushed reference names an entry the registry now holds, for this very output.
+    loaded = load_recipe(recipe_file)
+    remote = RemoteCache.for_recipe(loaded, progress=False, console=Console(file=open(os.devnull, "w")))
+    for o in again.outcomes:
+        if o.pushed_to:
+            tag = tag_for(o.name, o.fingerprint)
+            assert o.pushed_to == remote.ref.tag_ref(tag)
+            entry = artifact.read_entry(remote.registry, tag)
+            assert entry.config["fingerprint"] == o.fingerprint and entry.config["step"] == o.name
+            assert entry.config["files"] == read_manifest(o.out_dir)["files"]
+    CALLS.clear()
+    fresh = build(recipe_file, tmp_path / "b")  # and another runner pulls them
+    assert [o.name for o in fresh.outcomes if o.status.value == "pulled"] == ["quantize", "evaluate", "engine", "package"]
 
 
 def test_an_authenticated_registry_takes_the_usual_credentials_and_never_shows_them(tmp_path, monkeypatch):
@@ -265,7 +276,10 @@ def test_an_authenticated_registry_takes_the_usual_credentials_and_never_shows_t
         assert statuses(b)["quantize"] == "pulled"
     finally:
         reg.stop()
-    forms = [secret, base64.b64encode(f"kiln:{secret}".encode()).decode()]
+    # every secret this test sent (the wrong one too), raw and as Basic sends it
+    forms = [form for sent in (secret, secret + "-wrong")
+             for form in (sent, base64.b64encode(f"kiln:{sent}".encode()).decode(),
+                          base64.b64encode(sent.encode()).decode())]
     for blob in (text.getvalue(), wrong_text.getvalue(), ok_text.getvalue(), str(wrong.failure)):
         assert not any(f in blob for f in forms)
     for path in [*tmp_path.rglob("manifest.json"), *reg.storage.rglob("data")]:

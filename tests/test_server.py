@@ -205,8 +205,12 @@ def test_free_port_is_bindable() -> None:
     import socket
 
     port = free_port()
+    assert isinstance(port, int) and 1024 <= port <= 65535  # a real, unprivileged port (never 0: "any")
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", port))
+        sock.bind(("127.0.0.1", port))  # OSError (in use) fails the test
+        assert sock.getsockname()[1] == port
+        sock.listen()
+        assert free_port() != port  # a port held by a listener is not handed out again
 
 
 def test_find_tritonserver_prefers_path_then_pytriton(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -95,7 +95,21 @@ def test_fitted_scalars_are_the_fit_scripts_output() -> None:
     shipped = json.loads(FIT_FILE.read_text(encoding="utf-8"))
     assert _fit_script().fit_document() == shipped
     assert len(shipped["params"]) <= 8
-    assert fitted_params().gemm_compute_scale == shipped["params"]["gemm_compute_scale"]
+    # Every shipped scalar is the one the default model predicts with: perturbing any one of them alone moves
+    # a step that exercises them all (prompt tokens, compute-bound GEMMs, per-step and per-sequence overhead).
+    import dataclasses
+
+    from kiln.plan.speed import SpeedParams
+
+    assert dataclasses.asdict(fitted_params()) == shipped["params"]
+    llama8b = shipped_model_config("hf:meta-llama/Llama-3.1-8B-Instruct")
+    plan = make_plan(PlanInputs(model_config=llama8b, weight_format="fp8", kv_cache="fp8", max_input_len=3000,
+                                max_seq_len=4096), resolve_gpu("H100-SXM"))
+    default = SpeedModel(plan).step(256, 2048, 2048, 1024).total_ms
+    assert SpeedModel(plan, SpeedParams(**shipped["params"])).step(256, 2048, 2048, 1024).total_ms == default
+    for name, value in shipped["params"].items():
+        moved = SpeedParams(**{**shipped["params"], name: value * 1.5 + 0.1})
+        assert SpeedModel(plan, moved).step(256, 2048, 2048, 1024).total_ms != default, name
 
 
 def test_the_fit_never_sees_the_held_out_rows(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -329,3 +343,43 @@ def test_nim_comparison_is_reported_not_gated() -> None:
     assert [r["concurrency"] for r in rows if r["isl"] == 5000] == [1, 5, 25, 50, 100, 150, 200, 250]
     one = next(r for r in rows if r["isl"] == 5000 and r["concurrency"] == 1)
     assert one["itl_ms"][0] == 18.58 and math.isfinite(one["itl_ms"][1])
+
+
+def test_a_tp2_pp2_plan_by_hand_per_gpu(llama8b: dict) -> None:
+    # Llama 3.1 8B FP8 (hidden 4096, intermediate 14336, 32 layers, 32 heads, 8 KV heads, head_dim 128, vocab
+    # 128,256, lm_head untied and kept bf16) on tp 2 × pp 2 = 4 H100 SXM: each GPU holds half of the matrices
+    # of half of the layers.
+    plan = _plan_8b(llama8b, tp=2, pp=2, max_num_tokens=8192)
+    assert (plan.tp, plan.pp, plan.world_size) == (2, 2, 4)
+    # Per GPU, per layer (FP8: 1 byte per weight, each matrix split over tp 2):
+    #   attention q,k,v,o = 4096 × (4096 + 1024 + 1024 + 4096) = 41,943,040 / 2 = 20,971,520 B; × 16 = 335,544,320
+    #   MLP gate,up,down = 3 × 4096 × 14336 = 176,160,768 / 2 = 88,080,384 B; × 16 layers = 1,409,286,144
+    #   norms (bf16, replicated) 2 × 4096 × 2 = 16,384 B; × 16 = 262,144 (+ the final norm's 8,192 on stage 1)
+    #   embedding (stage 0) and lm_head (stage 1): 128,256 × 4096 × 2 B / 2 = 525,336,576 each
+    # stage 0 = 525,336,576 + 335,544,320 + 1,409,286,144 + 262,144 = 2,270,429,184
+    # stage 1 = 335,544,320 + 1,409,286,144 + 270,336 + 525,336,576 = 2,270,437,376 (the larger: per GPU)
+    assert [s.layers for s in plan.stages] == [16, 16]
+    assert [s.weights_bytes for s in plan.stages] == [2_270_429_184, 2_270_437_376]
+    assert plan.weights.per_gpu_bytes == 2_270_437_376
+    assert plan.weights.total_bytes == 9_081_200_640  # the whole model, as on one GPU
+    # KV cache per token per GPU: 2 (K, V) × 16 layers × 8/2 = 4 KV heads × 128 × 1 B (fp8) = 16,384
+    # (the whole model's 2 × 32 × 8 × 128 = 65,536 over 4 GPUs).
+    assert plan.kv_cache.bytes_per_token == 65_536 and plan.kv_cache.bytes_per_token_per_gpu == 16_384
+    # Stage 1 binds (lm_head and the logits buffer live there). Its workspace: 1 GiB runtime + activations
+    # 8192 tokens × (3 × 4096 + (4096 + 1024 + 1024) / 2 + 4096 / 2 + 3 × 14336 / 2 = 38,912) × 2 B =
+    # 637,534,208 + logits 2048 × 128,256 × 4 B = 1,050,673,152 -> 2,761,949,184.
+    # Free = 79.65 GiB (85,523,536,282) − 2,270,437,376 − 2,761,949,184 = 80,491,149,722; × 0.9 =
+    # 72,442,034,749 for the KV cache = 138,172 blocks of 32 tokens × 16,384 B (524,288 B per block).
+    assert plan.workspace.total_bytes == 2_761_949_184
+    assert plan.kv_cache.free_bytes_per_gpu == 80_491_149_722
+    assert plan.kv_cache.budget_bytes_per_gpu == 72_442_034_749
+    assert plan.kv_cache.blocks == 138_172
+    # Speed per GPU: the steady state of test_prompt_steps_mixed_into_decode_steps_by_hand (stand-in 10 ms
+    # steps, 20 ms with a prompt) gives 903.228 tokens/s for the engine; the engine is 4 GPUs, so
+    # 903.228 / (tp 2 × pp 2) = 225.807 tokens/s per GPU (÷ tp alone would say 451.614).
+    wl, _ = _FixedSteps(plan).predict(Workload(3000, 101, 10))
+    assert wl.output_tokens_per_s == pytest.approx(903.228, rel=1e-5)
+    assert wl.output_tokens_per_s_per_gpu == pytest.approx(225.807, rel=1e-5)
+    # The real step model on the same plan: per GPU is the engine's figure over all four GPUs too.
+    real, _ = SpeedModel(plan).predict(Workload(3000, 101, 10))
+    assert real.output_tokens_per_s_per_gpu == pytest.approx(real.output_tokens_per_s / 4, rel=1e-12)

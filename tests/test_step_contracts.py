@@ -9,6 +9,7 @@ required file that stops being checked, fails here in the unit tier.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from kiln.steps.evaluate import EvaluateResult
 from kiln.steps.package import PackageResult
 from kiln.steps.quantize import QuantizeResult
 from kiln.steps.resolve import ResolveResult
+from kiln.steps.tasks import TasksResult
 from kiln.util.artifacts import read_manifest, write_manifest
 
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "tiny-llama.yaml"
@@ -36,6 +38,7 @@ RESULTS = {
                                base_perplexity=1.0, quant_perplexity=1.001),
     "engine": EngineResult(summary="s", runtime="reference"),
     "package": PackageResult(summary="s", models=5, container="", deploy=""),
+    "tasks": TasksResult(summary="s", skipped=True),
 }
 
 
@@ -69,7 +72,7 @@ def rerun(layout, *overrides: str) -> list[str]:
 
 
 def test_every_step_has_a_typed_result_and_required_files():
-    assert [s.name for s in STEPS] == ["resolve", "quantize", "evaluate", "engine", "package"]
+    assert [s.name for s in STEPS] == ["resolve", "quantize", "evaluate", "engine", "package", "tasks"]
     recipe = load_recipe(RECIPE).recipe
     for spec in STEPS:
         assert spec.result is type(RESULTS[spec.name]), spec.name
@@ -81,13 +84,13 @@ def test_an_unchanged_recipe_reruns_nothing(built):
 
 
 @pytest.mark.parametrize(("override", "expected"), [
-    ("serving.max_queue_delay_microseconds=100", ["package"]),
-    ("serving.streaming=false", ["package"]),
-    ("quantization.calibration.samples=16", ["quantize", "evaluate", "engine", "package"]),
-    ("quantization.format=int8_sq", ["quantize", "evaluate", "engine", "package"]),
-    ("evaluation.samples=8", ["evaluate", "package"]),
+    ("serving.max_queue_delay_microseconds=100", ["package", "tasks"]),
+    ("serving.streaming=false", ["package", "tasks"]),
+    ("quantization.calibration.samples=16", ["quantize", "evaluate", "engine", "package", "tasks"]),
+    ("quantization.format=int8_sq", ["quantize", "evaluate", "engine", "package", "tasks"]),
+    ("evaluation.samples=8", ["evaluate", "package", "tasks"]),
     ("evaluation.max_kl=0.5", []),  # a gate threshold is re-checked on the stored figures, never recomputed
-    ("engine.max_batch_size=8", ["engine", "package"]),
+    ("engine.max_batch_size=8", ["engine", "package", "tasks"]),
     ("description=another description", []),
 ])
 def test_real_fingerprints_rerun_exactly_what_a_change_affects(built, override, expected):
@@ -178,3 +181,89 @@ def test_the_manifest_is_the_last_thing_a_step_writes(layout, monkeypatch):
         final = {str(f.relative_to(p.out_dir)): f.stat().st_size for f in p.out_dir.rglob("*")
                  if f.is_file() and f.name != "manifest.json"}
         assert final and seen[p.spec.name] == final, p.spec.name
+
+
+# ------------------------------------------------------------------ fingerprints: exact, per input, by whole segments
+
+
+def test_recipe_keys_match_by_whole_dotted_segments():
+    """`engine` covers `engine.max_batch_size`, never `engine_runtime.shm_size` or a key merely starting with it."""
+    from kiln.pipeline.fingerprint import select
+
+    flat = {"engine": 1, "engine.max_batch_size": 8, "engine_runtime.shm_size": "2g", "engines.x": 0,
+            "model.dtype": "float32", "model_extra": 1}
+    assert select(flat, ["engine", "model.dtype"]) == {"engine": 1, "engine.max_batch_size": 8,
+                                                       "model.dtype": "float32"}
+    assert select(flat, ["engine", "model"], ignore=["engine.max"]) == {
+        "engine": 1, "engine.max_batch_size": 8, "model.dtype": "float32"}  # `engine.max` ignores no key either
+    assert select(flat, ["engine"], ignore=["engine"]) == {}
+
+
+@pytest.mark.parametrize("override", ["engine_runtime.shm_size=8g", "engine_runtime.container_engine=podman",
+                                      "engine_runtime.gpus=0,1"])
+def test_engine_runtime_keys_that_cannot_change_an_output_rerun_nothing(built, override):
+    """Shared memory, the container engine and the GPUs the container sees change how a job runs, not what it
+    makes: nothing reruns (with the reference target, whose steps do not run in the engine runtime at all, and
+    with the tensorrt target, whose quantize, evaluate and engine do)."""
+    assert rerun(built, override) == []
+    trt = ["target=tensorrt", "quantization.format=fp8", "hardware.gpu=H100"]
+    before = {p.spec.name: p.fingerprint for p in runner.schedule(load_recipe(RECIPE, trt), built)}
+    after = {p.spec.name: p.fingerprint for p in runner.schedule(load_recipe(RECIPE, [*trt, override]), built)}
+    assert after == before
+
+
+@pytest.mark.parametrize("override", ["engine_runtime.trtllm_version=1.1.0", "engine_runtime.kind=local",
+                                      "engine_runtime.image=nvcr.io/nvidia/tritonserver:26.05-trtllm-python-py3"])
+def test_engine_runtime_keys_that_pick_the_tensorrt_llm_rerun_what_runs_in_it(built, override):
+    """Another TensorRT-LLM (a version, an image, a local interpreter) re-quantizes, re-evaluates and rebuilds the
+    engine of the tensorrt target (all three run in it), then repackages; the reference target runs none of them
+    there, so nothing reruns."""
+    trt = ["target=tensorrt", "quantization.format=fp8", "hardware.gpu=H100"]
+    before = {p.spec.name: p.fingerprint for p in runner.schedule(load_recipe(RECIPE, trt), built)}
+    after = {p.spec.name: p.fingerprint for p in runner.schedule(load_recipe(RECIPE, [*trt, override]), built)}
+    assert [s for s in before if before[s] != after[s]] == ["quantize", "evaluate", "engine", "package"]
+    assert rerun(built, override) == []
+
+
+def test_a_changed_shipped_triton_model_reruns_only_package(built, tmp_path, monkeypatch):
+    """The Python models and the engine-check script kiln ships into repositories are the package step's inputs:
+    after a kiln upgrade changes one, the repository is rewritten (and nothing else is rebuilt)."""
+    from kiln.triton import repository
+
+    models = shutil.copytree(repository.models_source(), tmp_path / "models")
+    monkeypatch.setattr(repository, "models_source", lambda: models)
+    assert rerun(built) == []
+    shipped = sorted(models.rglob("*.py"))[0]
+    shipped.write_text(shipped.read_text() + "\n# a later kiln\n")
+    assert rerun(built) == ["package"]
+    shipped.write_text(shipped.read_text().replace("\n# a later kiln\n", ""))
+    check = tmp_path / "check_engine.py"
+    check.write_text(repository.check_engine_script().read_text() + "\n# a later kiln\n")
+    monkeypatch.setattr(repository, "check_engine_script", lambda: check)
+    assert rerun(built) == ["package"]
+
+
+def test_a_changed_chat_template_reruns_only_package(built, monkeypatch):
+    from kiln.steps import package
+
+    shipped = package.builtin_chat_template("builtin:tiny-llama")
+    assert shipped  # the tiny model ships one
+    monkeypatch.setattr(package, "builtin_chat_template", lambda source: shipped + "{# a later kiln #}")
+    assert rerun(built) == ["package"]
+
+
+def test_a_changed_external_draft_recipe_reruns_only_package(tmp_path):
+    """Draft+target decoding: the draft's engine is built by the package step from the draft recipe (a file beside
+    the target's); editing that file repackages, and leaves the target's own steps alone."""
+    recipe = tmp_path / "target.yaml"
+    recipe.write_text(RECIPE.read_text())
+    draft = tmp_path / "draft.yaml"
+    draft.write_text(RECIPE.read_text().replace("name: tiny-llama", "name: tiny-draft"))
+    spec = ["target=tensorrt", "quantization.format=fp8", "hardware.gpu=H100",
+            "engine.speculative.mode=draft_tokens_external", "engine.speculative.draft_recipe=draft.yaml",
+            "engine.speculative.max_draft_len=4"]
+    layout = runner.Layout(tmp_path / "build", tmp_path / "triton_repo")
+    before = {p.spec.name: p.fingerprint for p in runner.schedule(load_recipe(recipe, spec), layout)}
+    draft.write_text(draft.read_text().replace("samples: 32", "samples: 16", 1))
+    after = {p.spec.name: p.fingerprint for p in runner.schedule(load_recipe(recipe, spec), layout)}
+    assert [s for s in before if before[s] != after[s]] == ["package"]

@@ -209,3 +209,25 @@ def test_bls_speculative_decoding_with_use_draft_logits(bls_pipeline: Any, hf_mo
                            "num_draft_tokens": np.array([[3]], np.int32), "use_draft_logits": np.array([True])})
     bls.execute([request])
     assert "generation logits are not produced by the reference target" in error_of(request.sender.wait()[0])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stream", [True, False])
+def test_bls_batch_of_two_answers_each_item_with_its_batch_index(bls_pipeline: Any, hf_model: Any, tokenizer: Any,
+                                                                 stream: bool) -> None:
+    """tensorrt_llm answers a batch > 1 one item per response with batch_index (as upstream's backend); the BLS
+    decodes each item's tokens on their own and passes the index on, as upstream's BLS (lib/decode.py)."""
+    prompts = ["The quick brown fox", "Beautiful is better than"]
+    model = bls_pipeline.TritonPythonModel()
+    model.initialize(model_args({}, {"text_output": "TYPE_STRING", "batch_index": "TYPE_INT32"}, True))
+    request = FakeRequest({"text_input": np.array([[p.encode()] for p in prompts], dtype=np.object_),
+                           "max_tokens": np.array([[12], [12]], np.int32), "stream": np.array([[stream]] * 2),
+                           "exclude_input_in_output": np.array([[True]] * 2)})
+    model.execute([request])
+    texts: dict[int, str] = {}
+    for resp in request.sender.wait():
+        assert not resp.has_error(), resp.error().message()
+        out, index = resp.get("text_output"), resp.get("batch_index")
+        assert out.shape == (1,) and index.shape == (1, 1), "one item per response, with its index"
+        texts[int(index[0, 0])] = texts.get(int(index[0, 0]), "") + out[0].decode("utf-8")
+    assert texts == {i: tokenizer.decode(hf_greedy(hf_model, tokenizer.encode(p).ids, 12)) for i, p in enumerate(prompts)}

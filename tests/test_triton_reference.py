@@ -123,6 +123,39 @@ def test_sequence_verifies_draft_tokens(ref: Any) -> None:
     assert seq.update([4, 5, 6], finished=True) and seq.tokens == [4, 5, 6], "all accepted + one bonus token"
 
 
+def test_cancellation_poll_and_sends_exclude_each_other(ref: Any) -> None:
+    """The lock discipline of the llmapi model (commit 0f275ca): is_cancelled() is asked only under the lock that
+    every response send takes, and never of a request that has sent its final response (a released request's
+    is_cancelled() crashed tritonserver there)."""
+    from triton_harness import FakeRequest
+
+    model = ref.TritonPythonModel.__new__(ref.TritonPythonModel)
+    model._lock, model._jobs, model._by_rid = ref.threading.RLock(), {}, {}
+    model.sampler = ref.KilnSampler()
+    cancelled_in_manager: list[str] = []
+    model.mgr = type("Mgr", (), {"cancel_request": lambda self, rid: cancelled_in_manager.append(rid)})()
+    asked: list[tuple[str, bool]] = []
+
+    def job(name: str, cancelled: bool, finished: bool = False) -> Any:
+        request = FakeRequest({})
+        request.is_cancelled = lambda: asked.append((name, model._lock._is_owned())) or cancelled
+        request.sender.send = (lambda send: lambda *a, **k: (asked.append((f"send {name}", model._lock._is_owned())),
+                                                            send(*a, **k)))(request.sender.send)
+        j = ref.Job(request, request.sender, False, True, False, [make_seq(ref)], finished=finished)
+        j.seqs[0].rid = name
+        model._jobs[id(j)] = j
+        return j
+
+    running, gone, done = job("running", False), job("gone", True), job("done", True, finished=True)
+    model._check_cancelled()
+    assert ("done", True) not in asked and ("done", False) not in asked, "a finished request is never asked"
+    assert all(owned for _, owned in asked), f"asked or sent outside the lock: {asked}"
+    assert ("gone", True) in asked and ("send gone", True) in asked and cancelled_in_manager == ["gone"]
+    assert gone.finished and not running.finished and id(gone) not in model._jobs
+    model._send_job(gone, None)  # a late non-final send for a finished job is dropped, not sent
+    assert [f for _, f in gone.sender.sent] == [FINAL]
+
+
 def test_reference_settings_map_parameters(ref: Any, tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "modelopt_state.pth").write_bytes(b"")
@@ -162,8 +195,39 @@ def test_reference_greedy_equals_hf_generate_with_requests_in_flight(
         assert generated(resp) == [hf_greedy(hf_model, prompt, n)]
     batch = llm_request(prompts, 12, exclude_input_in_output=True)  # one Triton request, three sequences
     llm.execute([batch])
-    [resp] = batch.sender.wait()
-    assert generated(resp) == [hf_greedy(hf_model, p, 12) for p in prompts]
+    by_item = per_batch_item(batch.sender)
+    assert by_item == {i: hf_greedy(hf_model, p, 12) for i, p in enumerate(prompts)}
+
+
+def per_batch_item(sender: Any) -> dict[int, list[int]]:
+    """Upstream's answer to a request of batch > 1 (inflight_batcher_llm/src/model_instance_state.cc at c2e65b8,
+    fillTritonResponse and WaitForResponse): each item's responses on their own (output_ids [1, beams, L],
+    sequence_length [1, beams]) with ``batch_index`` [[i]]; an item's last response carries the final flag only
+    when it is the last item to end. Returns each item's tokens, concatenated over its responses."""
+    sender.wait()
+    tokens: dict[int, list[int]] = {}
+    for n, (resp, flags) in enumerate(sender.sent):
+        last = n == len(sender.sent) - 1
+        assert bool(flags & FINAL) == last, "one final flag, on the last response sent"
+        if resp is None:
+            continue
+        assert not resp.has_error(), resp.error() and resp.error().message()
+        ids, index = resp.get("output_ids"), resp.get("batch_index")
+        assert ids.shape[:2] == (1, 1) and resp.get("sequence_length").shape == (1, 1), "one item per response"
+        assert index is not None and index.shape == (1, 1) and index.dtype == np.int32
+        tokens.setdefault(int(index[0, 0]), []).extend(generated(resp)[0])
+    return tokens
+
+
+@pytest.mark.integration
+def test_reference_batch_items_stream_on_their_own_with_batch_index(llm: Any, hf_model: Any, tokenizer: Any) -> None:
+    prompts = [tokenizer.encode(t).ids for t in PROMPT_TEXTS]
+    batch = llm_request(prompts, 10, exclude_input_in_output=True, streaming=True)
+    llm.execute([batch])
+    assert per_batch_item(batch.sender) == {i: hf_greedy(hf_model, p, 10) for i, p in enumerate(prompts)}
+    one = llm_request(prompts[:1], 4, exclude_input_in_output=True, streaming=True)
+    llm.execute([one])
+    assert all(r.get("batch_index") is None for r in one.sender.wait()), "batch 1: no batch_index, as upstream"
 
 
 @pytest.mark.integration
@@ -224,6 +288,10 @@ def test_reference_non_decoupled_returns_prompt_and_output(ref: Any, tiny_model:
         stream = llm_request([prompt], 4, streaming=True)
         model.execute([stream])
         assert "decoupled" in error_of(stream.sender.wait()[0])
+        batch = llm_request([prompt, prompt], 4)  # upstream's backend refuses it too (its utils.cc)
+        model.execute([batch])
+        assert "Batch size > 1 requires the tensorrt_llm backend to be using decoupled transaction policy" in \
+            error_of(batch.sender.wait()[0])
     finally:
         model.finalize()
     assert not model.mgr.is_running(), "finalize() stops the manager's (non-daemon) thread"

@@ -411,6 +411,7 @@ def make_seq(ref: Any, **kwargs: Any) -> Any:
 LLM_OUTPUTS = {
     "output_ids": "TYPE_INT32", "sequence_length": "TYPE_INT32", "cum_log_probs": "TYPE_FP32",
     "output_log_probs": "TYPE_FP32", "num_input_tokens": "TYPE_INT32", "num_output_tokens": "TYPE_INT32",
+    "batch_index": "TYPE_INT32",
 }
 RUNTIME_PARAMS = {"tokens_per_block": 16, "max_tokens_in_paged_kv_cache": 1024, "max_num_tokens": 256, "num_threads": 2}
 

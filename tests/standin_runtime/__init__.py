@@ -1,6 +1,7 @@
 """A STAND-IN engine runtime for tests: a `docker` / `podman` / `apptainer` on PATH (container_runtime.py) that
 records its argv and runs the command in a bubblewrap sandbox over a stand-in "image" (image/: a stand-in
-tensorrt_llm package whose quantize_and_export uses this machine's ModelOpt on the CPU, a stand-in trtllm-build,
+tensorrt_llm package whose quantize_and_export follows TensorRT-LLM 1.2.1's on the CPU with the ModelOpt of the
+image's python — kiln's own by default, the image environment's with ``install(python=…)`` — a stand-in trtllm-build,
 and the package metadata of the TensorRT-LLM/TensorRT versions a test chooses), plus a stand-in nvidia-smi.
 
 Nothing it produces is a GPU run or a TensorRT engine; tests that use it say so.
@@ -50,8 +51,12 @@ def _script(path: Path, body: str) -> None:
 
 def install(root: Path, *, engines: tuple[str, ...] = ("docker",), images: Optional[dict[str, str]] = None,
             trtllm: str = "1.2.1", tensorrt: str = "10.14.1.48", gpus: tuple[str, ...] = (H100,),
-            daemon_up: bool = True, engine_override: Optional[dict] = None) -> Standin:
-    """Lay the stand-in out under ``root`` and return it with the environment a test sets (PATH first)."""
+            daemon_up: bool = True, engine_override: Optional[dict] = None,
+            python: Optional[Path] = None) -> Standin:
+    """Lay the stand-in out under ``root`` and return it with the environment a test sets (PATH first).
+
+    ``python``: the "image"'s interpreter. By default it is kiln's own (this machine's ModelOpt and transformers,
+    not the image's); the image-environment tests pass the venv with the image's packages (tests/image_env.py)."""
     bin_dir, image_root = root / "bin", root / "image"
     bin_dir.mkdir(parents=True, exist_ok=True)
     for engine in engines:
@@ -63,7 +68,7 @@ def install(root: Path, *, engines: tuple[str, ...] = ("docker",), images: Optio
     for info in site.iterdir():
         shutil.copytree(info, image_root / "site" / info.name, dirs_exist_ok=True)
     (image_root / "bin").mkdir(parents=True, exist_ok=True)
-    _script(image_root / "bin" / "python3", f'exec "{sys.executable}" "$@"')
+    _script(image_root / "bin" / "python3", f'exec "{python or sys.executable}" "$@"')
     flags = resources.files("kiln.steps") / "data" / "trtllm_build_flags.yaml"
     override = json.dumps(engine_override or {}).replace("'", "'\\''")
     # the container's environment is only what its command line sets: the stand-in's settings are baked in

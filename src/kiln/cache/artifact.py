@@ -35,6 +35,7 @@ A_STEP, A_FINGERPRINT = "dev.kiln.step", "dev.kiln.fingerprint"
 A_RECIPE, A_VERSION = "dev.kiln.recipe", "dev.kiln.version"
 A_BYTES, A_FILES = "dev.kiln.bytes", "dev.kiln.files"
 MANIFEST_NAME = "manifest.json"
+MAX_CONFIG_BYTES = 16 << 20
 
 
 class Meter(Protocol):
@@ -156,10 +157,6 @@ def _complete_files(root: Path, step_manifest: dict[str, Any]) -> dict[str, int]
     return files
 
 
-def _config_bytes(step_manifest: dict[str, Any]) -> bytes:
-    return json.dumps(step_manifest, indent=2, sort_keys=True, default=str).encode()
-
-
 def _manifest_bytes(parts: list[Part], config: bytes, files: int, annotations: dict[str, str],
                     created: Optional[str]) -> bytes:
     manifest = {
@@ -180,7 +177,7 @@ def predict_digest(root: Path, step_manifest: dict[str, Any], layer_bytes: int, 
     content alone, so files written before any push (deploy files) can name the entry by digest."""
     files = _complete_files(root, step_manifest)
     parts = plan_parts(root, files, layer_bytes, meter)
-    return sha256_digest(_manifest_bytes(parts, _config_bytes(step_manifest), len(files), annotations, created))
+    return sha256_digest(_manifest_bytes(parts, config_bytes(step_manifest), len(files), annotations, created))
 
 
 def push(reg: Registry, tag: str, root: Path, step_manifest: dict[str, Any], layer_bytes: int,
@@ -207,7 +204,7 @@ def push(reg: Registry, tag: str, root: Path, step_manifest: dict[str, Any], lay
 
         reg.put_blob(part.digest, part.size, open_body, meter.advance)
         report.bytes_moved += part.size
-    config = _config_bytes(step_manifest)
+    config = config_bytes(step_manifest)
     config_digest = sha256_digest(config)
     if not reg.blob_exists(config_digest):
         reg.put_blob(config_digest, len(config), lambda: _BytesFile(config))
@@ -217,6 +214,11 @@ def push(reg: Registry, tag: str, root: Path, step_manifest: dict[str, Any], lay
     report.digest = reg.put_manifest(tag, body)
     report.seconds = time.monotonic() - t0
     return report
+
+
+def config_bytes(step_manifest: dict[str, Any]) -> bytes:
+    """The config blob kiln writes for a step manifest: its canonical JSON (a pull accepts no other bytes)."""
+    return json.dumps(step_manifest, indent=2, sort_keys=True, default=str).encode()
 
 
 class _BytesFile:
@@ -244,8 +246,11 @@ def read_entry(reg: Registry, tag: str) -> Optional[Entry]:
         raise BadArtifact(f"{reg.ref.tag_ref(tag)} is not a kiln step output (artifactType "
                           f"{manifest.get('artifactType') if isinstance(manifest, dict) else None!r})")
     cfg = manifest.get("config") or {}
-    if cfg.get("mediaType") != CONFIG_MEDIA or not isinstance(cfg.get("size"), int) or cfg["size"] > 64 << 20:
-        raise BadArtifact(f"{reg.ref.tag_ref(tag)}: unexpected config {cfg.get('mediaType')!r}")
+    if not isinstance(cfg, dict) or cfg.get("mediaType") != CONFIG_MEDIA or not isinstance(cfg.get("size"), int) \
+            or isinstance(cfg.get("size"), bool) or not 0 < cfg["size"] <= MAX_CONFIG_BYTES:
+        raise BadArtifact(f"{reg.ref.tag_ref(tag)}: unexpected config "
+                          f"{cfg.get('mediaType') if isinstance(cfg, dict) else cfg!r} (refused: kiln writes a "
+                          f"{CONFIG_MEDIA} of at most {MAX_CONFIG_BYTES >> 20} MiB)")
     sink = _Sink()
     reg.fetch_blob(str(cfg.get("digest")), cfg["size"], sink)
     try:
@@ -254,6 +259,13 @@ def read_entry(reg: Registry, tag: str) -> Optional[Entry]:
         raise BadArtifact(f"{reg.ref.tag_ref(tag)}: the step manifest is not JSON") from None
     if not isinstance(config, dict):
         raise BadArtifact(f"{reg.ref.tag_ref(tag)}: the step manifest is not an object")
+    if config_bytes(config) != bytes(sink.data):
+        raise BadArtifact(f"{reg.ref.tag_ref(tag)}: the step manifest is not one kiln wrote (not its canonical JSON; "
+                          "refused)")
+    files = config.get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                              for v in files.values()):
+        raise BadArtifact(f"{reg.ref.tag_ref(tag)}: the step manifest's files are not a map of sizes (refused)")
     entry = Entry(tag, digest, manifest, config)
     entry.parts = _parts(manifest, config, reg.ref.tag_ref(tag))
     return entry
@@ -268,39 +280,95 @@ class _Sink:
         return len(b)
 
 
+RESERVED_NAMES = (MANIFEST_NAME, MANIFEST_NAME + ".part")
+"""File names an entry may not carry at any depth: the step manifest kiln writes itself (and its temporary
+name); kiln never pushes a file of that name (``file_sizes`` leaves every ``manifest.json`` out)."""
+MAX_LAYERS = 100_000
+
+
 def _safe_rel(title: object, where: str) -> str:
+    """A layer's file name as a plain relative POSIX path, or BadArtifact: nothing absolute, no ``..``/``.``/empty
+    segment, no backslash or NUL, no reserved name — so a pull writes only below its temporary directory."""
     if not isinstance(title, str) or not title or "\\" in title or "\0" in title:
-        raise BadArtifact(f"{where}: a layer has no usable file name")
+        raise BadArtifact(f"{where}: a layer has no usable file name (refused)")
     path = PurePosixPath(title)
-    if path.is_absolute() or any(part in ("", ".", "..") for part in path.parts) or str(path) != title \
-            or title == MANIFEST_NAME:
-        raise BadArtifact(f"{where}: layer file name {title!r} is not a plain relative path")
+    if path.is_absolute() or any(part in ("", ".", "..") for part in title.split("/")) or str(path) != title:
+        raise BadArtifact(f"{where}: layer file name {title!r} is not a plain relative path (refused: it could "
+                          "write outside the step's directory)")
+    if path.name in RESERVED_NAMES:
+        raise BadArtifact(f"{where}: layer file name {title!r} is reserved for kiln's own step manifest (refused)")
     return title
 
 
+def _count(value: object, what: str, where: str) -> int:
+    """A non-negative integer from a manifest field (BadArtifact otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise BadArtifact(f"{where}: a layer's {what} is not a number (refused)")
+    try:
+        n = int(value)
+    except ValueError:
+        raise BadArtifact(f"{where}: a layer's {what} {value!r} is not a number (refused)") from None
+    if n < 0:
+        raise BadArtifact(f"{where}: a layer's {what} is negative ({n}) (refused)")
+    return n
+
+
 def _parts(manifest: dict, config: dict, where: str) -> list[Part]:
+    layers = manifest.get("layers") or []
+    if not isinstance(layers, list) or len(layers) > MAX_LAYERS:
+        raise BadArtifact(f"{where}: the manifest's layers are not a list of at most {MAX_LAYERS} (refused)")
     parts: list[Part] = []
-    for layer in manifest.get("layers") or []:
+    for layer in layers:
+        if not isinstance(layer, dict) or not isinstance(layer.get("annotations") or {}, dict):
+            raise BadArtifact(f"{where}: a layer is not an OCI descriptor (refused)")
         ann = layer.get("annotations") or {}
+        if TITLE not in ann or A_OFFSET not in ann or A_FILE_SIZE not in ann or "size" not in layer:
+            raise BadArtifact(f"{where}: a layer lacks its file name, offset or size")
         try:
-            part = Part(_safe_rel(ann.get(TITLE), where), int(ann[A_OFFSET]), int(layer["size"]),
-                        int(ann[A_FILE_SIZE]), str(layer["digest"]), int(ann.get(A_MODE, "644"), 8) & 0o777)
-        except (KeyError, TypeError, ValueError):
-            raise BadArtifact(f"{where}: a layer lacks its file name, offset or size") from None
+            mode = int(str(ann.get(A_MODE, "644")), 8) & 0o777
+        except ValueError:
+            raise BadArtifact(f"{where}: a layer's file mode {ann.get(A_MODE)!r} is not octal (refused)") from None
+        part = Part(_safe_rel(ann[TITLE], where), _count(ann[A_OFFSET], "offset", where),
+                    _count(layer["size"], "size", where), _count(ann[A_FILE_SIZE], "file size", where),
+                    str(layer.get("digest")), mode)
         if layer.get("mediaType") != PART_MEDIA or not part.digest.startswith("sha256:"):
             raise BadArtifact(f"{where}: layer {part.digest} is not a kiln file part")
         parts.append(part)
     covered: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    if len({(p.path, p.offset) for p in parts}) != len(parts):
+        raise BadArtifact(f"{where}: two layers carry the same part of a file (refused)")
     for part in sorted(parts, key=lambda p: (p.path, p.offset)):
+        if sizes.setdefault(part.path, part.file_size) != part.file_size:
+            raise BadArtifact(f"{where}: the layers of {part.path} disagree about its size (refused)")
         if part.offset != covered.get(part.path, 0):
-            raise BadArtifact(f"{where}: the layers of {part.path} do not cover it contiguously")
+            raise BadArtifact(f"{where}: the layers of {part.path} overlap, repeat or leave a gap (they must cover "
+                              "it contiguously; refused)")
+        if part.size == 0 and part.file_size != 0:
+            raise BadArtifact(f"{where}: an empty layer of {part.path}, which is not empty (refused)")
         covered[part.path] = part.offset + part.size
-    sizes = {p.path: p.file_size for p in parts}
     if any(covered[path] != sizes[path] for path in covered):
         raise BadArtifact(f"{where}: the layers of a file do not add up to its size")
+    for path in sizes:  # "a" and "a/b" cannot both be files
+        for parent in map(str, PurePosixPath(path).parents):
+            if parent in sizes:
+                raise BadArtifact(f"{where}: {parent!r} is both a file and the directory of {path!r} (refused)")
     if config.get("files") != sizes:
         raise BadArtifact(f"{where}: the layers do not hold exactly the files the step manifest lists")
+    ann = manifest.get("annotations") or {}
+    total = sum(p.size for p in parts)
+    if (A_BYTES in ann and str(ann[A_BYTES]) != str(total)) or (A_FILES in ann and str(ann[A_FILES]) != str(len(sizes))):
+        raise BadArtifact(f"{where}: its annotations say {ann.get(A_BYTES)} bytes in {ann.get(A_FILES)} files, its "
+                          f"layers hold {total} bytes in {len(sizes)} (refused)")
     return parts
+
+
+def _inside(dest: Path, rel: str) -> Path:
+    """``dest / rel``, checked once more to resolve below ``dest`` (entries were checked by :func:`_parts`)."""
+    target = dest / rel
+    if not target.resolve().is_relative_to(dest.resolve()) or target.resolve() == dest.resolve():
+        raise BadArtifact(f"layer file name {rel!r} resolves outside {dest} (refused)")
+    return target
 
 
 def pull(reg: Registry, entry: Entry, dest: Path, meter: Meter = NullMeter()) -> Transfer:
@@ -316,9 +384,11 @@ def pull(reg: Registry, entry: Entry, dest: Path, meter: Meter = NullMeter()) ->
             if part.path != current:
                 if fh is not None:
                     fh.close()
-                target = dest / part.path
+                target = _inside(dest, part.path)
                 target.parent.mkdir(parents=True, exist_ok=True)
-                fh, current = open(target, "wb"), part.path
+                # A new regular file only (never through a link, never one written before), then its mode.
+                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+                fh, current = os.fdopen(fd, "wb"), part.path
                 os.chmod(target, part.mode | 0o600)
             if part.size == 0:
                 continue

@@ -24,11 +24,12 @@ from urllib.parse import urljoin
 import requests
 
 from kiln.cache.credentials import Credentials, find_credentials
-from kiln.cache.errors import AuthError, DigestMismatch, RegistryError, UnreachableError
+from kiln.cache.errors import AuthError, BadArtifact, DigestMismatch, RegistryError, UnreachableError
 from kiln.cache.reference import CREDENTIALS_HINT, CacheRef
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 CHUNK = 1 << 20
+MAX_MANIFEST = 4 << 20  # distribution's own limit on a manifest it stores
 DOWNLOAD_CHUNK = 4 << 20
 TIMEOUT = (10.0, 120.0)  # connect, read (seconds)
 _CHALLENGE_PARAM = re.compile(r'(\w+)="([^"]*)"')
@@ -49,6 +50,8 @@ def _reason(exc: Exception) -> str:
         return found.group(1).strip()
     if isinstance(exc, requests.exceptions.Timeout):
         return "timed out"
+    if isinstance(exc, requests.exceptions.ChunkedEncodingError):
+        return "the connection closed before the whole body arrived"
     return type(exc).__name__
 
 
@@ -175,13 +178,31 @@ class Registry:
 
     def get_manifest(self, reference: str) -> Optional[tuple[bytes, str]]:
         """A manifest's bytes and digest by tag or digest; None when there is none. The bytes are checked
-        against the digest the registry names (and against ``reference`` when it is a digest)."""
+        against the digest the registry names (and against ``reference`` when it is a digest); one larger than
+        :data:`MAX_MANIFEST` is refused (BadArtifact) without reading more of it."""
         r = self.request("GET", f"{self.ref.base}/manifests/{reference}", (200, 404), "read a manifest from",
-                         headers={"Accept": OCI_MANIFEST})
+                         headers={"Accept": OCI_MANIFEST}, stream=True)
         if r.status_code == 404:
             r.close()
             return None
-        body = r.content
+        data = bytearray()
+        too_big = BadArtifact(f"registry {self.ref.host}: manifest {reference} is larger than {MAX_MANIFEST} bytes, "
+                              "more than any kiln entry or the registry's own limit (refused)")
+        try:
+            length = r.headers.get("Content-Length", "")
+            if length.isdigit() and int(length) > MAX_MANIFEST:
+                raise too_big
+            for chunk in r.iter_content(CHUNK):
+                data += chunk
+                if len(data) > MAX_MANIFEST:
+                    raise too_big
+        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout,
+                requests.exceptions.ChunkedEncodingError) as exc:
+            raise UnreachableError(f"registry {self.ref.host}: reading manifest {reference} broke off: "
+                                   f"{_reason(exc)}") from None
+        finally:
+            r.close()
+        body = bytes(data)
         digest = sha256_digest(body)
         claimed = r.headers.get("Docker-Content-Digest") or (reference if reference.startswith("sha256:") else None)
         if claimed and claimed != digest:
@@ -258,7 +279,8 @@ class Registry:
                 worker.put(chunk)
                 if worker.received > size:
                     break
-        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
+        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout,
+                requests.exceptions.ChunkedEncodingError) as exc:  # the last: the body ended short
             worker.close()
             raise UnreachableError(f"registry {self.ref.host}: download of {digest} broke off: {_reason(exc)}") \
                 from None

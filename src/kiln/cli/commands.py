@@ -199,10 +199,16 @@ def plan_cmd(recipes, overrides, gpu: Optional[str], count: Optional[int], model
             result = plan_for(loaded, gpus[0], count, model_config, workload)
         except PlanError as exc:
             raise InputError(str(exc)) from None
+        from kiln.plan.workers import recipe_worker_memory
+
+        workers = recipe_worker_memory(loaded, result)
         if as_json:
-            click.echo(json.dumps(result.to_dict(), indent=2))
+            click.echo(json.dumps({**result.to_dict(), "workers": workers.to_dict()}, indent=2))
         else:
             render_plan(result, out)
+            out.print(f"\nEngine-runtime workers (quantize, export, evaluate): {workers.verdict()}; the evaluation "
+                      f"keeps {workers.base_logprob_bytes / 2**30:,.1f} GiB of base log-probabilities on the scratch "
+                      "disk", markup=False)
         return
     _plan_compare(recipes, overrides, gpus, count, model_config, workload, out_dir, as_json)
 

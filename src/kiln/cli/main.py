@@ -173,3 +173,4 @@ def main() -> None:
 
 # The pipeline-facing commands register themselves on `cli` (imported last: they import from this module).
 from kiln.cli import cache_cmds, commands, serve_cmds, sweep_cmds  # noqa: E402,F401
+from kiln.cli import doctor_cmd  # noqa: E402,F401

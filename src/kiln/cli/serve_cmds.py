@@ -27,11 +27,13 @@ def _prepare(target: str, overrides, build_dir: Path, repo_dir: Path):
     if _is_repo(p):
         if overrides:
             raise InputError("--set applies to recipes; a repository is served as it was packaged")
-        return p, DEFAULTS, None
+        from kiln.serve.session import serving_record
+
+        return p, serving_record(p), None  # where kiln.json records it is served (the recipe's serving.*)
     from kiln.pipeline.runner import Layout, render_summary, run
 
     loaded = load(target, overrides)
-    summary = run(loaded, Layout(build_dir, repo_dir), console=err)
+    summary = run(loaded, Layout(build_dir, repo_dir), to_step="package", console=err)  # serving needs no task gate
     if summary.failure is not None:
         render_summary(summary, err)
         raise summary.failure
@@ -65,7 +67,8 @@ def _prepare(target: str, overrides, build_dir: Path, repo_dir: Path):
 @handle_errors
 def serve(target, overrides, host, http_port, grpc_port, metrics_port, docker, background, openai, openai_port,
           timeout, state_file, build_dir, repo_dir):
-    """Serve TARGET (a recipe, built first if needed, or a packaged repository) with a real tritonserver."""
+    """Serve TARGET (a recipe, built first if needed, or a packaged repository: on the host and ports its kiln.json
+    records) with a real tritonserver."""
     from kiln.serve.openai import OpenAIConfig
     from kiln.serve.server import ServerConfig
     from kiln.serve.session import (check_engine_here, docker_command, run_docker, serve_foreground,
@@ -109,6 +112,8 @@ def serve(target, overrides, host, http_port, grpc_port, metrics_port, docker, b
     def announce(state: dict) -> None:
         _announce(state, background=False)
 
+    if state_file is None and not state_file_for(repo).exists():  # so kiln infer/bench find it (serving_urls)
+        state_file = state_file_for(repo)
     sys.exit(serve_foreground(cfg, announce, state_file, timeout, openai=front))
 
 
@@ -167,11 +172,25 @@ def _sampling(temperature, top_k, top_p, seed) -> dict:
     return {k: v for k, v in values.items() if v is not None}
 
 
+def _served(serving: Optional[Path]) -> dict:
+    """The running kiln serve's URLs (``--serving REPO``'s, or the only one running), else the default ports."""
+    from kiln.serve.session import serving_urls
+
+    return serving_urls(serving) or {"grpc": f"127.0.0.1:{DEFAULTS.grpc_port}",
+                                     "http": f"http://127.0.0.1:{DEFAULTS.http_port}"}
+
+
+serving_option = click.option(
+    "--serving", type=click.Path(path_type=Path),
+    help="The packaged repository a running `kiln serve` serves: use its ports (default: the one running kiln "
+         f"serve, else 127.0.0.1 with the default ports {DEFAULTS.grpc_port}/{DEFAULTS.http_port}).")
+
+
 @cli.command()
 @click.argument("prompt")
-@click.option("--url", default=f"127.0.0.1:{DEFAULTS.grpc_port}", show_default=True, help="gRPC host:port.")
-@click.option("--http-url", default=f"http://127.0.0.1:{DEFAULTS.http_port}", show_default=True,
-              help="HTTP URL (used with --no-stream).")
+@click.option("--url", help="gRPC host:port (default: the running kiln serve's, see --serving).")
+@click.option("--http-url", help="HTTP URL, used with --no-stream (default: the running kiln serve's).")
+@serving_option
 @click.option("--model", default="ensemble", show_default=True, type=click.Choice(["ensemble", "tensorrt_llm_bls"]))
 @click.option("--max-tokens", type=click.IntRange(1), default=64, show_default=True)
 @click.option("--temperature", type=float, help="Sampling temperature (0 or unset: greedy).")
@@ -180,17 +199,27 @@ def _sampling(temperature, top_k, top_p, seed) -> dict:
 @click.option("--seed", type=int)
 @click.option("--no-stream", is_flag=True, help="One response through the HTTP generate endpoint.")
 @handle_errors
-def infer(prompt, url, http_url, model, max_tokens, temperature, top_k, top_p, seed, no_stream):
+def infer(prompt, url, http_url, serving, model, max_tokens, temperature, top_k, top_p, seed, no_stream):
     """Send PROMPT through the ensemble (or BLS) and print the completion as it streams."""
     from kiln.serve.client import generate_http, generate_stream
 
+    if not url or not http_url:
+        urls = _served(serving)
+        url, http_url = url or urls["grpc"], http_url or urls["http"]
+    from tritonclient.utils import InferenceServerException
+
+    from kiln.util.errors import KilnError
+
     sampling = _sampling(temperature, top_k, top_p, seed)
-    if no_stream:
-        click.echo(generate_http(http_url, prompt, max_tokens, model=model, **sampling))
-        return
-    for piece in generate_stream(url, prompt, max_tokens, model=model, **sampling):
-        click.echo(piece, nl=False)
-        sys.stdout.flush()
+    try:
+        if no_stream:
+            click.echo(generate_http(http_url, prompt, max_tokens, model=model, **sampling))
+            return
+        for piece in generate_stream(url, prompt, max_tokens, model=model, **sampling):
+            click.echo(piece, nl=False)
+            sys.stdout.flush()
+    except InferenceServerException as exc:
+        raise KilnError(f"Triton at {http_url if no_stream else url}: {exc}") from None
     click.echo()
 
 
@@ -205,10 +234,12 @@ def _levels(text: str) -> tuple[int, ...]:
 
 
 @cli.command()
-@click.option("--url", default=f"127.0.0.1:{DEFAULTS.grpc_port}", show_default=True, help="gRPC host:port.")
-@click.option("--openai", "openai_url", metavar="URL",
+@click.option("--url", help="gRPC host:port (default: the running kiln serve's, see --serving).")
+@serving_option
+@click.option("--openai", "openai_url", metavar="URL", is_flag=False, flag_value="",
               help="Load an OpenAI-compatible server instead (kiln's, vLLM, trtllm-serve, ...): its base URL, e.g. "
-                   "http://127.0.0.1:9000/v1. Same levels, same report.")
+                   "http://127.0.0.1:9000/v1; without a URL, the running `kiln serve --openai`'s. Same levels, same "
+                   "report.")
 @click.option("--model", default="ensemble", show_default=True,
               help="The Triton model (ensemble or tensorrt_llm_bls); with --openai the model id (default: the "
                    "server's first).")
@@ -225,14 +256,22 @@ def _levels(text: str) -> tuple[int, ...]:
               "model: isl = --input-len, osl = --output-len, the level's concurrency) …")
 @click.option("--gpu", help="… on this GPU (default: the recipe's hardware.gpu).")
 @handle_errors
-def bench(url, openai_url, model, concurrency, rate, poisson, duration, input_len, output_len, prompts, out_dir, recipe,
-          gpu):
+def bench(url, serving, openai_url, model, concurrency, rate, poisson, duration, input_len, output_len, prompts,
+          out_dir, recipe, gpu):
     """Load a running server (Triton gRPC streaming, or --openai an OpenAI-compatible one) and report TTFT, ITL,
     latency percentiles and throughput."""
     from kiln.serve.bench import BenchConfig, compare_with_plan, format_comparison, format_report, load_prompts, run_bench
 
     prompt_set = load_prompts(prompts) if prompts else None
-    if not openai_url and model not in ("ensemble", "tensorrt_llm_bls"):
+    if openai_url == "":
+        urls = _served(serving)
+        if "openai" not in urls:
+            raise InputError("--openai without a URL: the running kiln serve has no OpenAI server (start it with "
+                             "--openai) or none is running; pass the URL, e.g. --openai http://127.0.0.1:9000/v1")
+        openai_url = urls["openai"]
+    elif not url and openai_url is None:
+        url = _served(serving)["grpc"]
+    if openai_url is None and model not in ("ensemble", "tensorrt_llm_bls"):
         raise InputError(f"--model {model!r}: a Triton bench calls ensemble or tensorrt_llm_bls")
     cfg = BenchConfig(url=openai_url or url, model=model, api="openai" if openai_url else "triton",
                       concurrency=_levels(concurrency), rate=rate, poisson=poisson,

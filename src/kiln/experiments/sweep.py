@@ -33,6 +33,7 @@ from kiln.experiments.executors import Executor, KubernetesSettings, SlurmSettin
 from kiln.pipeline.fingerprint import digest
 from kiln.pipeline.runner import Action, Layout, run, schedule
 from kiln.steps.evaluate import EvaluateResult
+from kiln.steps.tasks import TasksResult
 from kiln.recipe.errors import Origin, Problem, RecipeError
 from kiln.recipe.loader import LoadedRecipe, load_recipe, parse_override, read_yaml
 from kiln.util.errors import KilnError
@@ -273,15 +274,17 @@ def _checkpoint_bytes(loaded: LoadedRecipe, layout: Layout) -> Optional[int]:
     return sum(f.stat().st_size for f in files) if files else None
 
 
-def last_step(spec: SweepFile) -> str:
-    """The last pipeline step a point needs for the sweep's measures."""
+def last_step(spec: SweepFile, loaded: Optional[LoadedRecipe] = None) -> str:
+    """The last pipeline step a point needs for the sweep's measures (the task gate's when the point has tasks)."""
+    if loaded is not None and loaded.recipe.evaluation.tasks:
+        return "tasks"
     return "package" if "bench" in spec.measure else "evaluate"
 
 
 def point_fingerprint(loaded: LoadedRecipe, layout: Layout, spec: SweepFile) -> str:
     """One hash over the fingerprints of every step a point runs: equal fingerprints, equal results.
     Cheap (no model loading); raises KilnError where a step's inputs cannot be hashed."""
-    steps = schedule(loaded, layout, to_step=last_step(spec))
+    steps = schedule(loaded, layout, to_step=last_step(spec, loaded))
     return digest({p.spec.name: p.fingerprint for p in steps if p.action != Action.OUTSIDE})
 
 
@@ -295,7 +298,7 @@ def point_key(loaded: LoadedRecipe, fingerprint: str) -> str:
 
 def run_point(point: Point, loaded: LoadedRecipe, layout: Layout, spec: SweepFile, progress: bool) -> dict:
     """Run one point's pipeline and measures; never raises (failures are recorded)."""
-    to_step = last_step(spec)
+    to_step = last_step(spec, loaded)
     record: dict[str, Any] = {"point": point.index, "label": point.label, "overrides": point.overrides,
                               "recipe": loaded.recipe.name, "status": "ok"}
     try:
@@ -309,6 +312,9 @@ def run_point(point: Point, loaded: LoadedRecipe, layout: Layout, spec: SweepFil
             record["quality"] = {"base_perplexity": evaluate.base_perplexity,
                                  "quant_perplexity": evaluate.quant_perplexity,
                                  "ppl_increase_pct": evaluate.ppl_increase_pct, "mean_kl": evaluate.mean_kl}
+        tasks = next((o.result for o in summary.outcomes if isinstance(o.result, TasksResult)), None)
+        if tasks is not None and not tasks.skipped:
+            record["tasks"] = tasks.figures()
         if summary.failure is not None:
             record.update(status="failed", error=str(summary.failure))
     except KilnError as exc:
@@ -385,7 +391,7 @@ def _read_results(path: Path) -> dict[str, dict]:
 
 
 COLUMNS = ("point", "label", "status", "base_perplexity", "quant_perplexity", "ppl_increase_pct", "mean_kl", "weight_gib",
-           "fits", "max_sequences", "steps_run")
+           "fits", "max_sequences", "steps_run", "task_accuracy", "max_task_drop_pts")
 
 
 def table_rows(records: list[dict]) -> list[dict[str, Any]]:
@@ -401,8 +407,18 @@ def table_rows(records: list[dict]) -> list[dict[str, Any]]:
                      "weight_gib": None if wb is None else wb / 2**30,
                      "fits": p.get("fits") if isinstance(p, dict) else None,
                      "max_sequences": p.get("max_sequences") if isinstance(p, dict) else None,
-                     "steps_run": sum(1 for s in steps.values() if s in ("ran", "reused"))})
+                     "steps_run": sum(1 for s in steps.values() if s in ("ran", "reused")),
+                     **_task_cells(r.get("tasks") or {})})
     return rows
+
+
+def _task_cells(tasks: dict) -> dict[str, Any]:
+    """The task gate's columns: each task's quantized accuracy (with the baseline's) and the largest drop."""
+    if not tasks:
+        return {"task_accuracy": None, "max_task_drop_pts": None}
+    return {"task_accuracy": "; ".join(f"{name} {t['quantized']:.3f} (base {t['baseline']:.3f})"
+                                       for name, t in tasks.items()),
+            "max_task_drop_pts": max(t["drop_pts"] for t in tasks.values())}
 
 
 def _cell(v: Any) -> str:

@@ -7,7 +7,12 @@ For the steps a run will execute, ``kiln build`` checks:
   format does not run on, or another GPU than the recipe's ``hardware.gpu`` (an engine is built for one);
 * the engine runtime itself: the container engine and its daemon, the image present locally (or the exact pull
   command), or the local interpreter;
-* free disk for the checkpoint and the engine (from the planner's weight bytes);
+* the host's NVIDIA driver (``nvidia-smi``) against the image's minimum (the container table's ``min_driver``): an
+  older driver cannot run the image's CUDA, and fails only once the first job starts;
+* free disk for every file the run writes (:func:`disk_budget`, from the planner's figures): the quantized
+  checkpoint, the quantizer state (plus the weights SmoothQuant/AWQ calibration rewrote), the unquantized model
+  where it cannot be hard-linked, the evaluation's base log-probabilities (the evaluate worker's scratch), the
+  engine, and the repository when it lands on another disk;
 * a Hugging Face token for gated models that are not already downloaded.
 
 On a machine without a GPU a tensorrt recipe is refused here, and the message says how to calibrate and gate on
@@ -20,21 +25,23 @@ import shutil
 from pathlib import Path
 from typing import Iterable, Optional
 
+from kiln.recipe.containers import row_for
 from kiln.recipe.formats import format_refusal, kv_refusal
-from kiln.recipe.gpus import detected_gpu_names, lookup_gpu
+from kiln.recipe.gpus import detected_gpu_names, driver_older, host_driver_version, lookup_gpu
 from kiln.recipe.loader import LoadedRecipe
 from kiln.recipe.schema import HF_PREFIX, Recipe
-from kiln.runtime.engine_runtime import engine_runtime_for
+from kiln.runtime.engine_runtime import engine_runtime_for, runtime_image
 from kiln.steps.runtime_jobs import uses_engine_runtime
 from kiln.util.errors import KilnError
 
 #: Hub organisations whose models ask every user to accept a licence before download (the model pages say so):
 #: a download needs a token of an account that accepted it.
 GATED_ORGS = ("meta-llama",)
-#: Bytes written per byte of quantized weights, by step: quantize writes the TensorRT-LLM checkpoint (the
-#: unquantized checkpoint beside it is hard-linked or, on the host path, written once more in the model dtype),
-#: the engine step writes the engine (about the checkpoint's size).
-_DISK_FACTOR = {"quantize": 1.1, "engine": 1.1}
+#: Bytes written per byte of quantized weights for the quantized checkpoint and for the engine (scales, metadata,
+#: the engine's own tables: about a tenth more than the weights).
+_WEIGHTS_OVERHEAD = 1.1
+#: The quantizers' own tensors (amax, scales, pre_quant_scale), per byte of the unquantized model: well under 1%.
+_QUANTIZER_SHARE = 0.01
 GIB = 1024**3
 
 
@@ -60,6 +67,7 @@ def check(loaded: LoadedRecipe, steps: list[str], build_root: Path) -> list[str]
     in_runtime = runtime_steps(recipe, steps)
     if in_runtime:
         problems += _gpu_problems(recipe, in_runtime)
+        problems += _driver_problems(recipe)
         problems += engine_runtime_for(recipe, build_root).problems()
     problems += _disk_problems(loaded, steps, build_root)
     problems += _token_problems(recipe, steps)
@@ -94,36 +102,130 @@ def _gpu_problems(recipe: Recipe, in_runtime: list[str]) -> list[str]:
     return problems
 
 
-def weight_bytes(loaded: LoadedRecipe) -> Optional[int]:
-    """The quantized weights' bytes from the planner (None when kiln cannot read the model's config)."""
-    from kiln.plan import PlanError, plan_for, recipe_model_config
-    from kiln.recipe.gpus import GPUS
-
-    if recipe_model_config(loaded) is None:
-        return None
-    try:  # weight bytes do not depend on the GPU; any GPU of the table plans them
-        return plan_for(loaded, loaded.recipe.hardware.gpu or next(iter(GPUS.values()))).weights.total_bytes
-    except PlanError:
-        return None
-
-
-def _disk_problems(loaded: LoadedRecipe, steps: list[str], build_root: Path) -> list[str]:
-    factor = sum(_DISK_FACTOR.get(s, 0.0) for s in steps if s != "engine" or loaded.recipe.target == "tensorrt")
-    if factor == 0:
+def _driver_problems(recipe: Recipe) -> list[str]:
+    """The host driver against the container image's minimum (nothing to say without a driver: no GPU was already
+    reported; nor for a local runtime or an image the table does not know, whose CUDA kiln cannot tell)."""
+    if recipe.engine_runtime.kind != "container":
         return []
-    weights = weight_bytes(loaded)
-    if weights is None:
+    image = runtime_image(recipe)
+    row = row_for(image)
+    have = host_driver_version()
+    if row is None or row.min_driver is None or have is None or not driver_older(have, row.min_driver):
         return []
-    need = int(weights * factor)
-    where = build_root.resolve()
+    return [f"this machine's NVIDIA driver is {have}, and {image} (CUDA {row.cuda or '?'}) needs driver "
+            f"{row.min_driver} or later (kiln's container table, trtllm_containers.json): update the driver, or set "
+            "engine_runtime.image / engine_runtime.trtllm_version to an image whose CUDA this driver runs"]
+
+
+def _device(path: Path) -> tuple[Path, int]:
+    """The nearest existing folder of ``path`` and its filesystem's device id."""
+    where = path.resolve()
     while not where.exists() and where != where.parent:
         where = where.parent
-    free = shutil.disk_usage(where).free
-    if free >= need:
+    return where, where.stat().st_dev
+
+
+def _model_on_disk(loaded: LoadedRecipe) -> Optional[Path]:
+    """Where the unquantized model's files are, if they are already on this machine (a local folder, or a
+    downloaded hub snapshot); None when the run will download it."""
+    source = loaded.recipe.model.source
+    if not source.startswith(HF_PREFIX):
+        path = Path(source).expanduser()
+        return path if path.exists() else None
+    repo, _, revision = source[len(HF_PREFIX):].partition("@")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo, revision=revision or None, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not downloaded
+        return None
+
+
+def disk_budget(loaded: LoadedRecipe, steps: list[str], build_root: Path,
+                repo_root: Optional[Path] = None) -> Optional[list[tuple[Path, str, int]]]:
+    """Every file the run's ``steps`` write, as (the disk's folder, what, bytes); None when kiln cannot plan the
+    model. Figures from the planner; see the module docstring for what each step writes."""
+    from kiln.plan import PlanError, plan_for, recipe_model_config
+    from kiln.plan.formats import base_dtype_bytes
+    from kiln.recipe.formats import weight_format
+    from kiln.recipe.gpus import GPUS
+    from kiln.recipe.schema import quantization_runtime
+
+    recipe = loaded.recipe
+    if recipe_model_config(loaded) is None:
+        return None
+    try:  # bytes do not depend on the GPU; any GPU of the table plans them
+        plan = plan_for(loaded, recipe.hardware.gpu or next(iter(GPUS.values())))
+    except PlanError:
+        return None
+    quantized = plan.weights.total_bytes
+    unquantized = plan.weights.total_params * base_dtype_bytes(str(plan.weights.base_dtype))
+    linear = plan.weights.quantized_params * base_dtype_bytes(str(plan.weights.base_dtype))
+    build = build_root
+    items: list[tuple[Path, str, int]] = []
+    if "quantize" in steps:
+        fmt = weight_format(recipe.quantization.format)
+        items.append((build, "the quantized checkpoint", int(quantized * _WEIGHTS_OVERHEAD)))
+        if quantization_runtime(recipe) == "host":  # kiln's own ModelOpt: mto.save and a re-saved checkpoint
+            items.append((build, "the quantizer state (mto.save: every weight)", unquantized))
+            items.append((build, "the unquantized checkpoint, saved in the model dtype", unquantized))
+            return items + _later_steps(loaded, steps, build, repo_root, plan, quantized)
+        folds = fmt.calibration.algorithm == "smoothquant" or "AWQ" in (fmt.modelopt_config or "")
+        items.append((build, "the quantizer state" + (" (with the linear weights the calibration rescaled)"
+                                                      if folds else ""),
+                      int(unquantized * _QUANTIZER_SHARE) + (linear if folds else 0)))
+        model = _model_on_disk(loaded)
+        if model is None or _device(model)[1] != _device(build)[1]:
+            why = "downloaded" if model is None else f"copied from {model} (another disk: no hard links)"
+            if model is None and recipe.model.source.startswith(HF_PREFIX):
+                from huggingface_hub.constants import HF_HUB_CACHE
+
+                items.append((Path(HF_HUB_CACHE), "the unquantized model, downloaded to the hub cache", unquantized))
+                if _device(Path(HF_HUB_CACHE))[1] != _device(build)[1]:
+                    items.append((build, "the unquantized model, copied beside the quantizers", unquantized))
+            else:
+                items.append((build, f"the unquantized model, {why}", unquantized))
+    return items + _later_steps(loaded, steps, build, repo_root, plan, quantized)
+
+
+def _later_steps(loaded: LoadedRecipe, steps: list[str], build: Path, repo_root: Optional[Path], plan,
+                 quantized: int) -> list[tuple[Path, str, int]]:
+    from kiln.plan.workers import recipe_worker_memory
+    from kiln.recipe.schema import quantization_runtime
+
+    recipe = loaded.recipe
+    items = []
+    if "evaluate" in steps and recipe.evaluation.enabled and quantization_runtime(recipe) == "engine":
+        items.append((build, "the base model's log-probabilities (evaluate's scratch, removed after)",
+                      recipe_worker_memory(loaded, plan).base_logprob_bytes))
+    if "engine" in steps and recipe.target == "tensorrt":
+        items.append((build, "the engine", int(quantized * _WEIGHTS_OVERHEAD)))
+    if "package" in steps and repo_root is not None and _device(repo_root)[1] != _device(build)[1]:
+        items.append((repo_root, "the repository's engine or checkpoint (another disk: copied, not linked)",
+                      int(quantized * _WEIGHTS_OVERHEAD)))
+    return items
+
+
+def _disk_problems(loaded: LoadedRecipe, steps: list[str], build_root: Path,
+                   repo_root: Optional[Path] = None) -> list[str]:
+    items = disk_budget(loaded, steps, build_root, repo_root)
+    if not items:
         return []
-    return [f"not enough disk under {build_root}: {', '.join(s for s in steps if s in _DISK_FACTOR)} need about "
-            f"{need / GIB:.1f} GiB (the planner's {weights / GIB:.1f} GiB of weights) and {where} has "
-            f"{free / GIB:.1f} GiB free: free space, or point --build-dir at a larger disk"]
+    problems = []
+    by_disk: dict[int, list[tuple[Path, str, int]]] = {}
+    for item in items:
+        by_disk.setdefault(_device(item[0])[1], []).append(item)
+    for entries in by_disk.values():
+        where = _device(entries[0][0])[0]
+        need = sum(b for _, _, b in entries)
+        free = shutil.disk_usage(where).free
+        if free >= need:
+            continue
+        parts = ", ".join(f"{what} {b / GIB:.1f} GiB" for _, what, b in entries)
+        problems.append(f"not enough disk under {entries[0][0]}: this run writes about {need / GIB:.1f} GiB there "
+                        f"({parts}) and {where} has {free / GIB:.1f} GiB free: free space, or point --build-dir "
+                        "at a larger disk")
+    return problems
 
 
 def _token_problems(recipe: Recipe, steps: list[str]) -> list[str]:

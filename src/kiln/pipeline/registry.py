@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from kiln.steps import engine, evaluate, package, quantize, resolve
+from kiln.steps import engine, evaluate, package, quantize, resolve, tasks
 from kiln.steps.base import StepSpec
 
 #: Every step in pipeline order. Importing the step modules is cheap: heavy libraries load inside the steps.
-STEPS: tuple[StepSpec, ...] = (resolve.SPEC, quantize.SPEC, evaluate.SPEC, engine.SPEC, package.SPEC)
+STEPS: tuple[StepSpec, ...] = (resolve.SPEC, quantize.SPEC, evaluate.SPEC, engine.SPEC, package.SPEC, tasks.SPEC)
 STEP_ORDER: tuple[str, ...] = tuple(spec.name for spec in STEPS)
 
 

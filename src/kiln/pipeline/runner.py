@@ -189,6 +189,9 @@ def schedule(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_ste
             gpu = gpu if gpu is not None else gpu_component(loaded)
             step_gpu = gpu
         comps = _components(spec, loaded, fingerprints, step_gpu, layout.build_root)
+        derived = spec.derived(loaded) if spec.derived is not None else None
+        if derived is not None:
+            comps["baseline"] = _derived_fingerprint(derived, layout)
         fp = digest(comps)
         fingerprints[name] = fp
         manifest, stored = _stored(spec, out_dir, loaded)
@@ -213,6 +216,34 @@ def schedule(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_ste
                              f"{'missing' if p.manifest is None else 'out of date'} ({'; '.join(p.reasons)}); "
                              f"run without --from, or --from {p.spec.name}")
     return scheduled
+
+
+#: A step's derived recipe (the task gate's unquantized baseline) is built up to this step.
+DERIVED_TO = "package"
+
+
+def derived_layout(layout: Layout) -> Layout:
+    """Where derived recipes go: their steps in build/<name>/ like any recipe (so they share outputs by fingerprint),
+    their repositories under build/.baselines/ rather than beside the user's in triton_repo/."""
+    return Layout(layout.build_root, layout.build_root / ".baselines")
+
+
+def _derived_fingerprint(derived: LoadedRecipe, layout: Layout) -> str:
+    sub = schedule(derived, derived_layout(layout), to_step=DERIVED_TO)
+    return next(p.fingerprint for p in sub if p.spec.name == DERIVED_TO)
+
+
+def _build_derived(p: ScheduledStep, loaded: LoadedRecipe, layout: Layout, console: Console, progress: bool,
+                   remote: Optional["RemoteCache"]) -> dict[str, Path]:
+    """Build the step's derived recipe up to DERIVED_TO (a no-op when it is up to date); its output directory."""
+    derived = p.spec.derived(loaded) if p.spec.derived is not None else None
+    if derived is None:
+        return {}
+    console.print(f"[dim]  the baseline {derived.recipe.name}, up to {DERIVED_TO}:[/]", highlight=False)
+    sub = run(derived, derived_layout(layout), to_step=DERIVED_TO, console=console, progress=progress, remote=remote)
+    if sub.failure is not None:
+        raise KilnError(f"the baseline {derived.recipe.name} did not build: {sub.failure}")
+    return {"baseline": derived_layout(layout).step_dir(load_steps()[DERIVED_TO], derived)}
 
 
 def describe_schedule(scheduled: list[ScheduledStep], loaded: LoadedRecipe, console: Console,
@@ -354,7 +385,8 @@ def run(loaded: LoadedRecipe, layout: Layout, force: bool = False, from_step: Op
                         result = pulled.result
                     else:
                         ctx = StepContext(loaded, tmp, dict(inputs), dict(results), console, progress, p.out_dir,
-                                          p.fingerprint, layout.build_root)
+                                          p.fingerprint, layout.build_root,
+                                          _build_derived(p, loaded, layout, console, progress, remote))
                         result = p.spec.fn(ctx)
                     if not isinstance(result, p.spec.result):
                         raise TypeError(f"step {name} returned {type(result).__name__}, "

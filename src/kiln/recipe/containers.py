@@ -55,10 +55,19 @@ class ContainerRow(_Data):
     note: str = ""
 
 
+class ContainerRoles(_Data):
+    """Which image does what when several carry the same TensorRT-LLM (repositories, in order of preference)."""
+
+    about: str = ""
+    jobs: tuple[str, ...] = ("nvcr.io/nvidia/tritonserver",)   #: where quantize/export/evaluate/build jobs run
+    dynamo: tuple[str, ...] = ()                                #: what the Dynamo deploy files run
+
+
 class _ContainersFile(_Data):
     about: str
     sources: dict[str, ContainerSource]
     stacks: dict[str, str]
+    roles: ContainerRoles = ContainerRoles()
     rows: tuple[ContainerRow, ...]
 
 
@@ -106,6 +115,57 @@ CONTAINER_TENSORRT: Final[Mapping[str, str]] = MappingProxyType(
 CONTAINER_TRTLLM: Final[Mapping[str, str]] = MappingProxyType({r.image: r.tensorrt_llm for r in CONTAINER_ROWS})
 
 
+ROLES: Final[ContainerRoles] = _TABLE.roles
+
+
+def _repository(image: str) -> str:
+    return image.split("@", 1)[0].rsplit(":", 1)[0]
+
+
+def _job_rows() -> Mapping[str, tuple[str, ...]]:
+    """TensorRT-LLM version -> the images kiln's jobs run in: the first ``roles.jobs`` repository with rows for it."""
+    table: dict[str, tuple[str, ...]] = {}
+    for repo in ROLES.jobs:
+        for row in CONTAINER_ROWS:
+            if _repository(row.image) == repo and (row.tensorrt_llm not in table or
+                                                    _repository(table[row.tensorrt_llm][0]) == repo):
+                table[row.tensorrt_llm] = table.get(row.tensorrt_llm, ()) + (row.image,)
+    return MappingProxyType(table)
+
+
+#: TensorRT-LLM version -> the images the engine runtime's jobs use (Triton's while one ships it, else TensorRT-LLM's
+#: own release image), oldest first.
+JOB_CONTAINERS: Final[Mapping[str, tuple[str, ...]]] = _job_rows()
+#: The newest TensorRT-LLM a Triton ``tensorrtllm`` (engine) image ships: the last one kiln builds engines with.
+LAST_ENGINE_VERSION: Final[str] = next(r.tensorrt_llm for r in reversed(CONTAINER_ROWS)
+                                       if "triton-tensorrtllm" in r.stacks)
+
+
+def version_key(version: str) -> tuple:
+    """Orders TensorRT-LLM versions: 1.2.1 < 1.3.0rc29 < 1.3.0 < 1.4.0rc2 (pre-releases before their release)."""
+    import re
+
+    m = re.match(r"^(\d+(?:\.\d+)*)(?:\.?(rc|post)\.?(\d+))?", version.strip())
+    if not m:
+        return ((0,), 0, 0)
+    nums = tuple(int(p) for p in m.group(1).split("."))
+    rank = {"rc": -1, None: 0, "post": 1}[m.group(2)]
+    return (nums, rank, int(m.group(3) or 0))
+
+
+def has_engine_path(version: str) -> bool:
+    """Whether kiln builds TensorRT engines with TensorRT-LLM ``version`` (none after :data:`LAST_ENGINE_VERSION`:
+    upstream removed the engine path and Triton's tensorrtllm backend during the 1.3 pre-releases)."""
+    return version_key(version) <= version_key(LAST_ENGINE_VERSION)
+
+
+def dynamo_image_for(trtllm_version: str) -> Optional[str]:
+    """The newest Dynamo TensorRT-LLM runtime image pinning ``trtllm_version`` (None when the table has none)."""
+    found = [r.image for r in CONTAINER_ROWS
+             if _repository(r.image) in ROLES.dynamo and r.tensorrt_llm == trtllm_version.strip()]
+    return found[-1] if found else None
+
+
 def row_for(image: str) -> Optional[ContainerRow]:
     """The table's row for ``image`` (a digest suffix is ignored); None when the table does not know it."""
     tag = strip_digest(image)
@@ -113,14 +173,15 @@ def row_for(image: str) -> Optional[ContainerRow]:
 
 
 def container_for(trtllm_version: str) -> str:
-    """Newest ``tritonserver:<yy.mm>-trtllm-python-py3`` tag shipping ``trtllm_version``.
+    """Newest image kiln's jobs use for ``trtllm_version``: a ``tritonserver:<yy.mm>-trtllm-python-py3`` tag while one
+    ships it, else TensorRT-LLM's own ``tensorrt-llm/release:<version>`` (see the table's ``roles``).
 
     Raises ``LookupError`` listing the known versions when none ships it.
     """
-    tags = NGC_CONTAINERS.get(trtllm_version.strip())
+    tags = JOB_CONTAINERS.get(trtllm_version.strip())
     if not tags:
-        raise LookupError(f"no {CONTAINER_REPOSITORY}:*{CONTAINER_SUFFIX} container is known to ship TensorRT-LLM "
-                          f"{trtllm_version!r}; known versions: {', '.join(NGC_CONTAINERS)}")
+        raise LookupError(f"no container in kiln's table is known to ship TensorRT-LLM {trtllm_version!r}; known "
+                          f"versions: {', '.join(JOB_CONTAINERS)}")
     return tags[-1]
 
 

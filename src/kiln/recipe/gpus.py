@@ -325,6 +325,33 @@ def detected_gpu_names(timeout_s: float = 10.0) -> list[str] | None:
     return names or None
 
 
+def host_driver_version(timeout_s: float = 10.0) -> str | None:
+    """The host's NVIDIA driver version (``nvidia-smi --query-gpu=driver_version --format=csv,noheader``, first
+    device), e.g. ``580.65.06``. None when ``nvidia-smi`` is absent, fails or lists no device."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        result = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                                text=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [line.strip() for line in result.stdout.splitlines() if line.strip()]
+    if result.returncode != 0 or not lines or not all(p.isdigit() for p in lines[0].split(".")):
+        return None
+    return lines[0]
+
+
+def driver_older(have: str, need: str) -> bool:
+    """Whether driver version ``have`` (``580.65.06``) is older than ``need`` (``580`` or ``575.51``), compared
+    numerically field by field over the fields ``need`` gives."""
+    def fields(v: str) -> list[int]:
+        return [int(x) if x.isdigit() else 0 for x in v.strip().split(".")]
+
+    h, n = fields(have), fields(need)
+    return h[:len(n)] + [0] * (len(n) - len(h[:len(n)])) < n
+
+
 def detect_gpus() -> tuple[str, int] | None:
     """The local GPU model (canonical name) and how many of that model are present, via ``nvidia-smi``.
 

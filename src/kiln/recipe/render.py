@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 def _scalar(value: object) -> str:
     if isinstance(value, tuple):
-        value = list(value)
+        value = [v.model_dump(mode="json", exclude_defaults=True) if isinstance(v, BaseModel) else v for v in value]
     text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
     return text[:-4].strip() if text.endswith("\n...") else text.removesuffix("...").strip()
 

@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 from kiln.recipe.errors import Problem
 from kiln.recipe.formats import format_refusal, kv_cache_format, kv_cache_format_names, kv_refusal, weight_format
 from kiln.recipe.gpus import GPUSpec, known_gpu_names, lookup_gpu
-from kiln.recipe.containers import NGC_CONTAINERS
+from kiln.recipe.containers import JOB_CONTAINERS, LAST_ENGINE_VERSION, has_engine_path
 from kiln.recipe.schema import Recipe, quantization_runtime
 
 Rule = Callable[[Recipe], Iterator[Problem]]
@@ -238,10 +238,17 @@ def engine_runtime(r: Recipe) -> Iterator[Problem]:
     if r.quantization.runtime == "engine" and r.target == "reference":
         yield err("quantization.runtime", "the reference target runs on the CPU with kiln's own ModelOpt; it has no "
                   "engine runtime", "set quantization.runtime: host (or auto)")
+    if r.target == "tensorrt" and not has_engine_path(rt.trtllm_version):
+        yield err("engine_runtime.trtllm_version", f"TensorRT-LLM {rt.trtllm_version} has no TensorRT engine path "
+                  f"(upstream removed trtllm-build and Triton's tensorrtllm backend after {LAST_ENGINE_VERSION}): "
+                  f"{LAST_ENGINE_VERSION} is the last version kiln builds engines with",
+                  f"serve it on the PyTorch backend: --set target=pytorch (or keep target: tensorrt with "
+                  f"engine_runtime.trtllm_version: {LAST_ENGINE_VERSION})")
+        return
     if not uses:
         return
-    if rt.kind == "container" and rt.trtllm_version not in NGC_CONTAINERS:
-        known = ", ".join(NGC_CONTAINERS)
+    if rt.kind == "container" and rt.trtllm_version not in JOB_CONTAINERS:
+        known = ", ".join(JOB_CONTAINERS)
         if rt.image is None:
             yield err("engine_runtime.trtllm_version", f"no container in kiln's table ships TensorRT-LLM "
                       f"{rt.trtllm_version!r}", f"use one of {known}, or name the image with engine_runtime.image")

@@ -20,6 +20,8 @@ BUILTIN_PREFIX = "builtin:"
 HF_PREFIX = "hf:"
 BUILTIN_MODELS = ("tiny-llama",)
 BUILTIN_DATASETS = ("tiny-llama-calib", "tiny-llama-heldout")
+#: The lm-eval tasks kiln ships for the built-in model (made from text that ships with Python: kiln.models.tasks).
+BUILTIN_TASKS = ("tiny-python-nextword", "tiny-python-nextline")
 
 # Format and target names come from the format registry (kiln/recipe/data/formats.yaml): a format added there
 # is a valid recipe value without a change here.
@@ -161,6 +163,51 @@ class QuantizationSection(Section):
     elsewhere (kiln's ModelOpt on the CPU; the manifest records which ModelOpt made it)."""
 
 
+class TaskDefaults(Section):
+    limit: Optional[Annotated[int, Field(ge=1, le=1_000_000)]] = None
+    """Documents evaluated per task (lm-eval's `--limit`: the first N of the test split). Empty: all of them."""
+
+    num_fewshot: Annotated[int, Field(ge=0, le=64)] = 0
+    """Few-shot examples put before each document (lm-eval's `--num_fewshot`)."""
+
+    max_accuracy_drop_pct: Optional[Annotated[float, Field(ge=0.0, le=100.0)]] = 5.0
+    """Task gate: fail the build if a task's accuracy (its first metric, 0–1) drops by more than this many
+    percentage points from the unquantized baseline (0.62 → 0.58 is a 4-point drop). Empty disables."""
+
+    concurrency: Annotated[int, Field(ge=1, le=256)] = 4
+    """Requests lm-eval keeps in flight against each served model (its `num_concurrent`)."""
+
+
+class TaskEntry(Section):
+    task: str
+    """`builtin:tiny-python-nextword`, `builtin:tiny-python-nextline`, or the path of an lm-eval task YAML (one task;
+    `dataset_path` a local loader — json, csv, parquet, text — over `dataset_kwargs.data_files`, paths relative to
+    the YAML). The YAML and its data files are hashed into the `tasks` step's fingerprint."""
+
+    limit: Optional[Annotated[int, Field(ge=1, le=1_000_000)]] = None
+    """Documents evaluated; empty: `evaluation.task_defaults.limit`."""
+
+    num_fewshot: Optional[Annotated[int, Field(ge=0, le=64)]] = None
+    """Few-shot examples; empty: `evaluation.task_defaults.num_fewshot`."""
+
+    max_accuracy_drop_pct: Optional[Annotated[float, Field(ge=0.0, le=100.0)]] = None
+    """Largest accepted accuracy drop in percentage points; empty: `evaluation.task_defaults.max_accuracy_drop_pct`."""
+
+    @field_validator("task")
+    @classmethod
+    def _task(cls, v: str) -> str:
+        if v.startswith(BUILTIN_PREFIX):
+            if v[len(BUILTIN_PREFIX):] not in BUILTIN_TASKS:
+                raise ValueError(f"unknown built-in task {v!r}; known: "
+                                 + ", ".join(BUILTIN_PREFIX + t for t in BUILTIN_TASKS))
+        elif v.startswith(HF_PREFIX):
+            raise ValueError(f"{v!r}: hub tasks are not fetched; give a local lm-eval task YAML over local data files "
+                             "(pinned, hashed evaluation data) or a builtin: task")
+        elif not v.endswith((".yaml", ".yml")):
+            raise ValueError(f"{v!r} is not a task YAML; give the path of an lm-eval task .yaml or a builtin: task")
+        return v
+
+
 class EvaluationSection(DataSource):
     enabled: bool = True
     """Measure quality (perplexity and KL divergence against the unquantized model) after quantizing."""
@@ -182,6 +229,15 @@ class EvaluationSection(DataSource):
 
     max_kl: Optional[Annotated[float, Field(ge=0.0)]] = None
     """Quality gate: fail the build if the mean per-token KL divergence (nats) exceeds this. Empty disables."""
+
+    tasks: tuple[TaskEntry, ...] = ()
+    """Task-accuracy gate: lm-eval tasks run against the served quantized model and the served unquantized baseline
+    (the `tasks` step, after `package`). Each is a built-in task (`builtin:tiny-python-nextword`, a generate_until
+    task; `builtin:tiny-python-nextline`, a loglikelihood multiple-choice task) or an lm-eval task YAML over local
+    data files. Empty: no task gate."""
+
+    task_defaults: TaskDefaults = TaskDefaults()
+    """`limit`, `num_fewshot`, `max_accuracy_drop_pct` and `concurrency` for every task that does not set its own."""
 
 
 class ParallelismSection(Section):
@@ -399,6 +455,18 @@ class ServingSection(Section):
             raise ValueError(f"{v!r} is not a Kubernetes object name (lower-case letters, digits, '-' and '.')")
         return v
 
+    dynamo_workers: Annotated[int, Field(ge=1, le=256)] = 1
+    """Dynamo (target pytorch): TensorRT-LLM workers of the aggregated DynamoGraphDeployment, each tp × pp GPUs; the
+    frontend's router spreads requests over them."""
+
+    dynamo_prefill_workers: Annotated[int, Field(ge=1, le=256)] = 1
+    """Dynamo, disaggregated serving: prefill workers (each tp × pp GPUs). Default 1 prefill : 1 decode, the split
+    of Dynamo 1.6.1's planner profile for one model on one GPU each (dynamo/planner/tests/data/profiling_results/
+    H200_TP1P_TP1D); size it from your own profile (prefill-heavy traffic: more prefill workers)."""
+
+    dynamo_decode_workers: Annotated[int, Field(ge=1, le=256)] = 1
+    """Dynamo, disaggregated serving: decode workers (each tp × pp GPUs)."""
+
 
 class EngineRuntimeSection(Section):
     kind: Literal["container", "local"] = "container"
@@ -423,7 +491,8 @@ class EngineRuntimeSection(Section):
     """GPUs the container sees: `all`, or device indices such as `0,1`."""
 
     shm_size: str = "2g"
-    """Shared memory for the container (`--shm-size`), as NVIDIA's TensorRT-LLM container docs give it."""
+    """Shared memory for the container (`--shm-size`), as NVIDIA's TensorRT-LLM container docs give it (docker only:
+    podman refuses `--shm-size` with `--ipc=host`, under which the host's /dev/shm is shared)."""
 
     python: Optional[str] = None
     """`kind: local`: the Python interpreter (or venv directory) that has tensorrt_llm. Empty: `python3` on PATH."""
@@ -445,7 +514,7 @@ class HardwareSection(Section):
 #: Steps whose outputs the remote cache can share: every step. The package step's entry is its Triton repository
 #: (with the engine or checkpoint it holds); its deploy files stay out and are rendered after a build or pull,
 #: naming that entry by fingerprint and manifest digest. A test keeps this equal to the pipeline's steps.
-ShareableStep = Literal["resolve", "quantize", "evaluate", "engine", "package"]
+ShareableStep = Literal["resolve", "quantize", "evaluate", "engine", "package", "tasks"]
 
 
 class CacheSection(Section):

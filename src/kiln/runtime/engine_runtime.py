@@ -7,9 +7,15 @@ runtime turns it into one host command line:
 * ``container`` with docker: ``docker run --rm --gpus all --ipc=host --ulimit memlock=-1 --ulimit
   stack=67108864 --shm-size=2g --user UID:GID --volume HOST:/kiln/...:ro … IMAGE CMD`` (NVIDIA's documented
   flags for TensorRT-LLM containers); podman: the same with CDI devices (``--device nvidia.com/gpu=all``),
-  ``--security-opt label=disable`` and ``--userns keep-id``; Apptainer/Singularity (Slurm clusters without
-  docker): ``apptainer exec --nv --cleanenv --no-home --bind HOST:/kiln/...:ro … docker://IMAGE CMD``.
+  ``--security-opt label=disable``, no ``--shm-size`` (podman refuses it with ``--ipc=host``) and
+  ``--userns keep-id`` only when podman runs rootless (rootful podman refuses it); Apptainer/Singularity (Slurm
+  clusters without docker): ``apptainer exec --nv --cleanenv --no-home --bind HOST:/kiln/...:ro … docker://IMAGE
+  CMD``, with the host's ``CUDA_VISIBLE_DEVICES`` (Slurm's GPU binding) passed through ``--env`` because
+  ``--cleanenv`` drops it. ``--cleanenv`` stays on: a cluster's module environment (PYTHONPATH, LD_LIBRARY_PATH…)
+  would otherwise leak into the image's Python.
   Outputs belong to the caller: docker and podman run as the caller's uid:gid, Apptainer always does.
+  Every generated command line is checked against the engines' documented rules (``data/container_engines.yaml``,
+  with their source lines): :func:`argv_problems`.
 * ``local``: the job's command with host paths, run by the named interpreter (``engine_runtime.python``) or
   ``trtllm-build`` beside it or on PATH.
 
@@ -19,6 +25,7 @@ image's digest comes from ``docker image inspect`` (or the reference itself when
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -28,7 +35,9 @@ import time
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import yaml
 
 from kiln.recipe.containers import CONTAINER_TENSORRT, CONTAINER_TRTLLM, container_for, strip_digest, tensorrt_for
 from kiln.recipe.schema import Recipe
@@ -56,10 +65,82 @@ SCRATCH_DIRS = ("home", "tmp", "hf", "cache/triton", "cache/inductor", "cache/nv
 #: README): locked memory unlimited, 64 MiB stacks.
 ULIMITS = ("memlock=-1", "stack=67108864")
 CONTAINER_ENGINES = ("docker", "podman", "apptainer", "singularity")
+#: Environment variables that carry a scheduler's GPU binding into a job (Slurm sets CUDA_VISIBLE_DEVICES).
+GPU_BINDING_ENV = ("CUDA_VISIBLE_DEVICES",)
 
 
 class RuntimeFailed(KilnError):
     """A job failed in the engine runtime (the message carries the log's tail and the command)."""
+
+
+@functools.lru_cache(maxsize=None)
+def engine_rules() -> dict[str, Any]:
+    """The container engines' documented rules (``data/container_engines.yaml``: rules and their sources)."""
+    text = (resources.files("kiln.runtime") / "data" / "container_engines.yaml").read_text(encoding="utf-8")
+    data = yaml.safe_load(text)
+    for rule in data["rules"]:
+        if rule["source"] not in data["sources"]:
+            raise ValueError(f"container_engines.yaml: rule {rule['id']}: source {rule['source']!r} is not a key of "
+                             "'sources'")
+    return data
+
+
+def _has_flag(argv: Sequence[str], flag: str, value: Optional[str] = None) -> bool:
+    """``flag`` in argv as ``flag``, ``flag=value`` or ``flag value`` (with ``value`` when given)."""
+    name, _, fixed = flag.partition("=")
+    want = value if value is not None else (fixed or None)
+    for i, arg in enumerate(argv):
+        if arg == name:
+            got = argv[i + 1] if i + 1 < len(argv) else None
+            if want is None or got == want:
+                return True
+        elif arg.startswith(name + "="):
+            if want is None or arg.split("=", 1)[1] == want:
+                return True
+    return False
+
+
+def argv_problems(engine: str, argv: Sequence[str], *, rootless: bool,
+                  host_env: Mapping[str, str]) -> list[str]:
+    """Every documented rule of ``engine`` the command line breaks, each with the engine's refusal, the fix and the
+    source (``data/container_engines.yaml``)."""
+    engine = "apptainer" if engine == "singularity" else engine
+    data = engine_rules()
+    problems = []
+    for rule in data["rules"]:
+        if rule["engine"] != engine:
+            continue
+        kind = rule["kind"]
+        broken = False
+        if kind == "exclusive":
+            broken = all(_has_flag(argv, f) for f in rule["flags"])
+        elif kind == "rootless_only":
+            broken = not rootless and _has_flag(argv, rule["flag"], rule.get("value"))
+        elif kind == "cleanenv_drops":
+            if _has_flag(argv, rule["flag"]):
+                passed = {a.split("=", 1)[0] for i, a in enumerate(argv) if i and argv[i - 1] == "--env"}
+                broken = any(name in host_env and name not in passed for name in rule["env"])
+        else:
+            raise ValueError(f"container_engines.yaml: rule {rule['id']}: unknown kind {kind!r}")
+        if broken:
+            src = data["sources"][rule["source"]]
+            problems.append(f"{engine}: {rule['refusal']}; {rule['fix']} [{rule['id']}: {src['repo']} "
+                            f"{src['path']} @ {src['commit']}]")
+    return problems
+
+
+def podman_rootless(exe: str) -> bool:
+    """Whether podman runs rootless: ``podman info --format {{.Host.Security.Rootless}}`` (it starts no
+    container); when podman cannot answer, whether this process is not root (podman run by root is rootful)."""
+    try:
+        proc = subprocess.run([exe, "info", "--format", "{{.Host.Security.Rootless}}"], capture_output=True,
+                              text=True, timeout=20, check=False)
+    except (OSError, subprocess.SubprocessError):
+        proc = None
+    answer = proc.stdout.strip().lower() if proc is not None and proc.returncode == 0 else ""
+    if answer in ("true", "false"):
+        return answer == "true"
+    return os.geteuid() != 0
 
 
 @dataclass(frozen=True)
@@ -200,9 +281,24 @@ class EngineRuntime:
         text = log.read_text(encoding="utf-8", errors="replace")
         if proc.returncode != 0:
             tail = "".join(text.splitlines(keepends=True)[-20:])
+            kept = self._keep_log(log, job)
             raise RuntimeFailed(f"{job.name} failed in {self.describe()} (exit {proc.returncode}); last lines of "
-                                f"{log}:\n{tail}")
+                                f"{kept}:\n{tail}")
         return text
+
+    def _keep_log(self, log: Path, job: Job) -> Path:
+        """A failed job's log, copied out of the step's temporary output (removed when the step fails) to
+        ``<scratch>/logs/`` (the build folder's ``.engine-runtime``), so the path in the message stays readable."""
+        scratch = getattr(self, "scratch", None)
+        if scratch is None:
+            return log
+        kept = Path(scratch) / "logs" / f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+        try:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(log, kept)
+        except OSError:
+            return log
+        return kept.resolve()
 
     def _host_env(self) -> dict[str, str]:
         return dict(os.environ)
@@ -237,6 +333,18 @@ class ContainerRuntime(EngineRuntime):
     scratch: Path = Path("build/.engine-runtime")
     user: tuple[int, int] = field(default_factory=lambda: (os.getuid(), os.getgid()))
     kind: str = "container"
+    rootless: Optional[bool] = None
+    """podman only: whether it runs rootless (None: ask ``podman info`` when a command is built)."""
+    host_env: Optional[Mapping[str, str]] = None
+    """The environment the engine is started from (None: this process's); Apptainer passes its GPU binding on."""
+
+    def _rootless(self) -> bool:
+        if self.rootless is None:
+            self.rootless = podman_rootless(self.exe)
+        return self.rootless
+
+    def _host(self) -> Mapping[str, str]:
+        return os.environ if self.host_env is None else self.host_env
 
     def paths(self, job: Job) -> dict[str, str]:
         return {name: m.target for name, m in self._mounts(job).items()}
@@ -251,6 +359,15 @@ class ContainerRuntime(EngineRuntime):
         return self.image
 
     def command(self, job: Job) -> list[str]:
+        argv = self._command(job)
+        problems = argv_problems(self.engine, argv, rootless=self.engine != "podman" or self._rootless(),
+                                 host_env=self._host())
+        if problems:
+            raise KilnError("kiln generated a command line the container engine refuses (a bug in kiln):\n  - " +
+                            "\n  - ".join(problems) + "\n$ " + shlex.join(argv))
+        return argv
+
+    def _command(self, job: Job) -> list[str]:
         mounts = self._mounts(job)
         paths = {name: m.target for name, m in mounts.items()}
         env = {**SCRATCH_ENV, **job.env}
@@ -259,23 +376,29 @@ class ContainerRuntime(EngineRuntime):
             argv = [self.exe, "exec", "--nv", "--cleanenv", "--no-home"]
             for m in mounts.values():
                 argv += ["--bind", f"{m.host.resolve()}:{m.target}:{'ro' if m.read_only else 'rw'}"]
+            if self.gpus != "all":
+                env = {**env, "CUDA_VISIBLE_DEVICES": self.gpus}
+            else:  # --cleanenv drops the scheduler's GPU binding: pass it on
+                env = {**env, **{k: self._host()[k] for k in GPU_BINDING_ENV if k in self._host()}}
             for key, value in env.items():
                 argv += ["--env", f"{key}={value}"]
-            if self.gpus != "all":
-                argv += ["--env", f"CUDA_VISIBLE_DEVICES={self.gpus}"]
             return [*argv, "--pwd", workdir, self._image_uri(), *job.argv(paths)]
         argv = [self.exe, "run", "--rm", "--name", _container_name(job, mounts)]
         if self.engine == "podman":
             devices = ["all"] if self.gpus == "all" else self.gpus.split(",")
             for dev in devices:
                 argv += ["--device", f"nvidia.com/gpu={dev}"]
-            argv += ["--security-opt", "label=disable", "--userns", "keep-id"]
+            argv += ["--security-opt", "label=disable"]
+            if self._rootless():  # rootful podman refuses keep-id; it maps uids 1:1, --user suffices
+                argv += ["--userns", "keep-id"]
         else:
             argv += ["--gpus", "all" if self.gpus == "all" else f'"device={self.gpus}"']
         argv += ["--ipc=host"]
         for limit in ULIMITS:
             argv += ["--ulimit", limit]
-        argv += [f"--shm-size={self.shm_size}", "--user", f"{self.user[0]}:{self.user[1]}"]
+        if self.engine != "podman":  # podman refuses --shm-size with --ipc=host (the host's /dev/shm is shared)
+            argv += [f"--shm-size={self.shm_size}"]
+        argv += ["--user", f"{self.user[0]}:{self.user[1]}"]
         for m in mounts.values():
             argv += ["--volume", f"{m.host.resolve()}:{m.target}:{'ro' if m.read_only else 'rw'}"]
         for key, value in env.items():
@@ -424,6 +547,11 @@ class _MissingEngine(ContainerRuntime):
     """A container runtime whose engine is not on PATH: it can describe jobs, not run them."""
 
     wanted: str = "auto"
+
+    def _rootless(self) -> bool:
+        if self.rootless is None:  # no podman to ask: podman run by root is rootful
+            self.rootless = os.geteuid() != 0
+        return self.rootless
 
     def digest(self) -> Optional[str]:
         return "sha256:" + self.image.split("@sha256:", 1)[1] if "@sha256:" in self.image else None

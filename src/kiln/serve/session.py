@@ -32,6 +32,65 @@ def _write_state(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
+@dataclasses.dataclass(frozen=True)
+class ServingRecord:
+    """Where a packaged repository is served: kiln.json's ``serving`` record (the recipe's serving.host, the HTTP,
+    gRPC, metrics and OpenAI ports, and the Triton model the OpenAI server calls), and, while a `kiln serve` of it
+    runs, that session's state (its pid and URLs, which command-line overrides may have changed)."""
+
+    repo: Path
+    host: str
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    openai_port: int
+    openai_model: str
+    recorded: bool  # False: kiln.json has no serving record (packaged by an older kiln, or by hand): schema defaults
+    running: Optional[dict] = None  # the running `kiln serve`'s state file content (pid, urls, log), if any
+
+    def urls(self) -> dict[str, str]:
+        """The running session's URLs, else the recorded ones (``grpc`` is host:port, tritonclient's form)."""
+        if self.running and self.running.get("urls"):
+            return dict(self.running["urls"])
+        host = self.host if self.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        return {"http": f"http://{host}:{self.http_port}", "grpc": f"{host}:{self.grpc_port}",
+                "metrics": f"http://{host}:{self.metrics_port}/metrics", "openai": f"http://{host}:{self.openai_port}/v1"}
+
+
+def serving_record(repo: Path, state_dir: Path = STATE_DIR) -> ServingRecord:
+    """The one reader of kiln.json's serving record (`kiln serve REPO` serves there; the clients default to it).
+    A repository without the record gets the schema's defaults (``recorded`` False); a malformed one is refused
+    with the file and key."""
+    from kiln.recipe.schema import ServingSection
+
+    repo = Path(repo)
+    info_file = repo / "kiln.json"
+    try:
+        info = json.loads(info_file.read_text(encoding="utf-8")) if info_file.is_file() else {}
+    except ValueError as exc:
+        raise InputError(f"{info_file}: not JSON ({exc}); package the recipe again") from None
+    record = info.get("serving")
+    defaults = ServingSection()
+    values = {}
+    for key in ("host", "http_port", "grpc_port", "metrics_port", "openai_port", "openai_model"):
+        value = (record or {}).get(key, getattr(defaults, key))
+        want = str if key in ("host", "openai_model") else int
+        if not isinstance(value, want) or isinstance(value, bool) or (want is int and not 1 <= value <= 65_535):
+            raise InputError(f"{info_file}: serving.{key} is {value!r}, not a {'port' if want is int else 'string'}; "
+                             "package the recipe again (kiln build) to rewrite the record")
+        values[key] = value
+    running = None
+    state_file = state_file_for(repo, state_dir)
+    if state_file.is_file():
+        try:
+            state = json.loads(state_file.read_text())
+        except ValueError:
+            state = {}
+        if _alive(state.get("pid")) and state.get("repo") == str(repo.resolve()):
+            running = state
+    return ServingRecord(repo=repo, recorded=isinstance(record, dict), running=running, **values)
+
+
 def serve_foreground(cfg: ServerConfig, announce: Callable[[dict], None], state_file: Optional[Path] = None,
                      timeout_s: float = 300, openai: Optional[OpenAIConfig] = None) -> int:
     """Start the server (and, with ``openai``, kiln's OpenAI-compatible server in front of it: its
@@ -119,6 +178,23 @@ def running(state_dir: Path = STATE_DIR) -> list[tuple[Path, dict]]:
         except ValueError:
             continue
     return out
+
+
+def serving_urls(repo: Optional[Path] = None, state_dir: Path = STATE_DIR) -> Optional[dict]:
+    """Where the running ``kiln serve`` answers (its state file's ``urls``: http, grpc, metrics, openai when on):
+    REPO's when given (an error when none runs for it), else the only one running; None when none runs (the
+    caller falls back to the schema's default ports)."""
+    if repo is not None:
+        record = serving_record(repo, state_dir)  # the one reader of a repository's serving record and session
+        if record.running is None:
+            raise InputError(f"--serving {repo}: no kiln serve is running for it (start one: kiln serve {repo} "
+                             "--background)")
+        return record.urls()
+    live = [(f, state) for f, state in running(state_dir) if _alive(state.get("pid"))]
+    if len(live) > 1:
+        raise InputError("several kiln serve are running (" + ", ".join(str(st.get("repo")) for _, st in live) +
+                         "): pick one with --serving REPO")
+    return live[0][1].get("urls") if live else None
 
 
 def stop_background(state_file: Path, timeout_s: float = 30) -> bool:

@@ -62,6 +62,8 @@ class StepContext:
     """This run's fingerprint of the step (recorded in its manifest)."""
     build_root: Path = Path("build")
     """The build root (``build/``): the engine runtime keeps its scratch directory under it."""
+    derived: dict[str, Path] = field(default_factory=dict)
+    """The step's derived recipe's output (``{"baseline": <its package output>}``), built by the runner first."""
 
     @property
     def recipe(self) -> Recipe:
@@ -155,6 +157,10 @@ class StepSpec(Generic[R]):
     """Called once the output is complete and in place (built, reused, pulled, or up to date), with the recipe, the
     output directory and the remote-cache entry that holds it (``kiln.pipeline.remote.EntrySource``, or None):
     writes what lives beside the output (the package step's deploy files). Raises KilnError to fail the step."""
+    derived: Optional[Callable[[LoadedRecipe], Optional[LoadedRecipe]]] = None
+    """When given and not None for the recipe: another recipe (the task gate's unquantized baseline) that the runner
+    builds up to ``package`` before this step, whose package fingerprint is part of this step's, and whose package
+    output the step gets as ``ctx.derived["baseline"]``."""
 
     def required_files(self, recipe: Recipe) -> tuple[str, ...]:
         return self.files(recipe) if callable(self.files) else self.files

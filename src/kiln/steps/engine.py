@@ -131,7 +131,9 @@ SPEC = StepSpec(
     name="engine",
     fn=build_engine,
     result=EngineResult,
-    keys=("engine", "parallelism", "target", "hardware.gpu", "engine_runtime.kind", "engine_runtime.python"),
+    # engine_runtime.* is not a key: where the engine is built (kind, python, image, version) enters through
+    # `runtime` when the target builds one there; the reference and pytorch targets build nothing there.
+    keys=("engine", "parallelism", "target", "hardware.gpu"),
     files=required_files,
     after=("resolve", "quantize"),
     runtime=runtime_identity("engine"),

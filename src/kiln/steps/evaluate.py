@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from kiln.models.data import batches, content_hash, load_texts, tokenize_samples
 from kiln.models.loading import load_model, load_tokenizer, read_config, resolve_dtype
+from kiln.plan.workers import eval_batch_size
 from kiln.recipe.formats import gentler_alternatives
 from kiln.recipe.gpus import lookup_gpu
 from kiln.recipe.loader import LoadedRecipe
@@ -35,8 +36,6 @@ from kiln.steps.runtime_jobs import runtime_identity
 from kiln.util.errors import KilnError
 
 QUALITY_FILE = "quality.json"
-#: Upper bound on logits elements held per batch (batch × tokens × vocabulary), to bound memory.
-_LOGITS_BUDGET = 1 << 26
 
 
 class EvaluateResult(StepResult):
@@ -192,7 +191,7 @@ def evaluate(ctx: StepContext) -> EvaluateResult:
     dtype = resolve_dtype("auto", read_config(ckpt))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     vocab = int(read_config(ckpt).get("vocab_size") or 32000)
-    batch_size = max(1, min(16, _LOGITS_BUDGET // max(1, ev.max_seq_len * vocab)))
+    batch_size = eval_batch_size(ev.max_seq_len, vocab)
     if quantization_runtime(recipe) == "engine":
         nll_b, nll_q, kl_sum, tokens, where = _sums_in_runtime(ctx, Path(quant_dir), seqs, dtype, batch_size, pad_id)
     else:
@@ -250,13 +249,15 @@ def _sums_in_runtime(ctx: StepContext, quant_dir: Path, seqs: list, dtype: str, 
     """The evaluation sums from the evaluate worker in the engine runtime: the quantizers the runtime's ModelOpt
     calibrated are graded by that same ModelOpt."""
     from kiln.runtime.engine_runtime import engine_runtime_for
-    from kiln.steps.runtime_jobs import evaluate_job, evaluate_job_file, evaluate_mounts, write_job_file
+    from kiln.steps.runtime_jobs import (evaluate_job, evaluate_job_file, evaluate_mounts, worker_placement,
+                                         write_job_file)
 
     out = Path(ctx.out_dir)
     rt = engine_runtime_for(ctx.recipe, ctx.build_root)
     job = evaluate_job(rt, evaluate_mounts(quant_dir, out))
     job_dir = out / "job"
-    write_job_file(job_dir, "evaluate", evaluate_job_file(rt.paths(job), dtype, batch_size, pad_id))
+    write_job_file(job_dir, "evaluate", evaluate_job_file(rt.paths(job), dtype, batch_size, pad_id,
+                                                          worker_placement(ctx.loaded)))
     (job_dir / "sequences.json").write_text(json.dumps([[int(t) for t in s] for s in seqs]), encoding="utf-8")
     ctx.log("  " + shlex.join(rt.command(job)))
     with ctx.status("evaluating in the engine runtime") as update:
@@ -309,7 +310,7 @@ SPEC = StepSpec(
     fn=evaluate,
     result=EvaluateResult,
     keys=("evaluation",),
-    ignore=("evaluation.max_ppl_increase_pct", "evaluation.max_kl"),
+    ignore=("evaluation.max_ppl_increase_pct", "evaluation.max_kl", "evaluation.tasks", "evaluation.task_defaults"),
     after=("quantize",),
     tools=("nvidia-modelopt", "torch", "transformers"),
     input_hashes=evaluate_input_hashes,

@@ -128,6 +128,7 @@ def write_deploy(loaded: LoadedRecipe, repo: Path, source: Optional[EntrySourceL
     it by digest; without, they mount a volume the user fills. Pods are sized from the plan."""
     from kiln.recipe.schema import llmapi_runtime
     from kiln.triton.deploy import DeployInfo, validate_manifests, write_deploy_files
+    from kiln.triton.deploy.dynamo import DynamoDeploy, dynamo_image, image_stacks, write_dynamo_files
     from kiln.triton.deploy.info import sizing_for
 
     r = loaded.recipe
@@ -149,14 +150,25 @@ def write_deploy(loaded: LoadedRecipe, repo: Path, source: Optional[EntrySourceL
                                     sizing=sizing_for(r, repo_bytes=repo_bytes))
     final = deploy_dir_for(repo)
     with atomic_dir(final) as tmp:
-        written = write_deploy_files(deploy, tmp, model_repo=repo)
-        problems = validate_manifests([p for p in written if p.suffix in (".yaml", ".yml") and "k8s" in p.parts])
-        if problems:
-            raise KilnError("generated Kubernetes manifests do not validate:\n  " + "\n  ".join(problems))
+        # target pytorch: only the stacks the image carries (no Triton image ships TensorRT-LLM after 1.2.1:
+        # trtllm-serve and Dynamo files only); an image the table does not know gets the Triton files as before
+        stacks = image_stacks(info["container"]) if llmapi else ()
+        if not stacks or "triton-llmapi" in stacks:
+            written = write_deploy_files(deploy, tmp, model_repo=repo)
+            problems = validate_manifests([p for p in written if p.suffix in (".yaml", ".yml") and "k8s" in p.parts])
+            if problems:
+                raise KilnError("generated Kubernetes manifests do not validate:\n  " + "\n  ".join(problems))
         if llmapi:
             from kiln.triton.llmapi_repository import write_trtllm_serve_files
 
             write_trtllm_serve_files(r, info, tmp)
+            image = dynamo_image(r)
+            dynamo = DynamoDeploy.from_recipe(r, image, hub, repo_pull=_repo_pull(loaded, info, source, image),
+                                              sizing=deploy.sizing)
+            try:
+                write_dynamo_files(dynamo, info["llm_args"], tmp)
+            except ValueError as err:
+                raise KilnError(str(err)) from None
     return final
 
 
@@ -166,9 +178,11 @@ class EntrySourceLike(Protocol):
     digest: str
 
 
-def _repo_pull(loaded: LoadedRecipe, info: dict, source: Optional[EntrySourceLike]):
+def _repo_pull(loaded: LoadedRecipe, info: dict, source: Optional[EntrySourceLike], dynamo_image: str = ""):
     """How the pods fetch the repository: by digest from the remote cache, its recorded versions expected to be the
-    serving image's (kiln's container table); the init image pinned by the user or kiln's own (a warning)."""
+    serving image's (kiln's container table); the init image pinned by the user or kiln's own (a warning).
+    ``dynamo_image``: for the Dynamo files, whose image loads the unified checkpoint with its own TensorRT-LLM (the
+    LLM arguments must be that version's when the table pins the recipe's version to it)."""
     if source is None:
         return None
     from kiln import __version__
@@ -177,12 +191,16 @@ def _repo_pull(loaded: LoadedRecipe, info: dict, source: Optional[EntrySourceLik
 
     s = loaded.recipe.serving
     image = info["container"]
-    expect = [f"kiln.json:container={image}"]
-    row = row_for(image)
-    if row is not None and loaded.recipe.target == "tensorrt":
-        expect += [f"kiln.json:engine.tensorrt_llm={row.tensorrt_llm}", f"kiln.json:engine.tensorrt={row.tensorrt}"]
+    expect = [f"kiln.json:fingerprint={source.tag.partition('-')[2]}"]
+    row = row_for(dynamo_image or image)
+    if dynamo_image:
+        if row is not None and row.tensorrt_llm == info.get("llm_args_version"):
+            expect.append(f"kiln.json:llm_args_version={row.tensorrt_llm}")
+    elif row is not None and loaded.recipe.target == "tensorrt":
+        expect += [f"kiln.json:container={image}", f"kiln.json:engine.tensorrt_llm={row.tensorrt_llm}",
+                   f"kiln.json:engine.tensorrt={row.tensorrt}"]
     elif row is not None:
-        expect.append(f"kiln.json:serving_tensorrt_llm={row.tensorrt_llm}")
+        expect += [f"kiln.json:container={image}", f"kiln.json:serving_tensorrt_llm={row.tensorrt_llm}"]
     init_image = s.init_image or f"kiln-init:{__version__}"  # not pinned: recipe rule `init_image` warns
     return RepoPull(cache=source.cache, tag=source.tag, digest=source.digest, init_image=init_image,
                     registry_secret=s.registry_secret, cache_pvc=s.repo_cache_pvc, expect=tuple(expect))

@@ -46,9 +46,11 @@ from kiln.steps.runtime_jobs import (
     UNIFIED_DIR,
     export_hf_job,
     export_hf_job_file,
+    model_path,
     quantize_job,
     quantize_job_file,
     quantize_mounts,
+    worker_placement,
     write_job_file,
 )
 from kiln.util.errors import InputError, KilnError
@@ -105,7 +107,9 @@ def quantize_in_runtime(ctx: StepContext) -> QuantizeResult:
     unified = recipe.target == "pytorch"
     name = "export_hf" if unified else "quantize"
     job = export_hf_job(rt, mounts) if unified else quantize_job(rt, mounts)
-    content = (export_hf_job_file if unified else quantize_job_file)(recipe, rt.paths(job), len(texts), dtype)
+    paths = {**rt.paths(job), "model": model_path(rt.paths(job), model_dir)}  # a hub snapshot: inside its repo
+    content = (export_hf_job_file if unified else quantize_job_file)(recipe, paths, len(texts), dtype,
+                                                                      worker_placement(ctx.loaded))
     write_job_file(out / "job", name, content)
     ctx.log("  " + shlex.join(rt.command(job)))
     with ctx.status(f"calibrating {q.format} with " + ("the image's ModelOpt" if unified

@@ -26,6 +26,8 @@ UNIFIED_DIR = "unified_checkpoint"
 CHECKPOINT_DIR = "checkpoint"
 MODELOPT_STATE = "modelopt_state.pth"
 RESTORE_CHECK = "restore_check.safetensors"
+#: The evaluate worker's scratch folder for the base model's log-probabilities (removed when it is done).
+BASE_LOGPROBS_DIR = "base_logprobs"
 PROBE_TEXT = "kiln probe: the quick brown fox jumps over the lazy dog."
 #: A generous token limit for TensorRT-LLM's own tokenizer (upstream's default is 2048).
 TOKENIZER_MAX_SEQ_LEN = 2048
@@ -51,6 +53,19 @@ def runtime_identity(step: str):
     return identity
 
 
+def worker_placement(loaded: LoadedRecipe) -> Optional[dict[str, Any]]:
+    """How the workers spread the model over the recipe's GPUs (``device_map="auto"`` with ``max_memory`` per GPU,
+    from the planner: kiln.plan.workers); None when kiln cannot plan the recipe (unknown GPU or model config): the
+    worker then lets accelerate spread the model over every GPU it sees."""
+    from kiln.plan import PlanError, plan_for
+    from kiln.plan.workers import recipe_worker_memory
+
+    try:
+        return recipe_worker_memory(loaded, plan_for(loaded)).placement()
+    except PlanError:
+        return None
+
+
 def _job_mount(job_dir: Path) -> Mount:
     return Mount(job_dir, JOB, True)
 
@@ -65,12 +80,41 @@ def write_job_file(job_dir: Path, name: str, content: Mapping[str, Any]) -> Path
 # ------------------------------------------------------------------------------------------------ quantize
 
 
+def hub_snapshot(model_dir: Path) -> Optional[tuple[Path, str]]:
+    """For a Hugging Face hub cache snapshot (``…/models--org--name/snapshots/<rev>``) or its repository folder:
+    (the repository folder, the snapshot's path in it). None for any other directory.
+
+    A snapshot's files are relative symlinks ``../../blobs/<etag>``: mounting the snapshot alone leaves them
+    dangling in a container, so jobs mount the repository folder and read the snapshot inside it."""
+    if model_dir.parent.name == "snapshots" and model_dir.parent.parent.name.startswith("models--"):
+        return model_dir.parent.parent, f"snapshots/{model_dir.name}"
+    if model_dir.name.startswith("models--") and (model_dir / "refs" / "main").is_file():
+        revision = (model_dir / "refs" / "main").read_text(encoding="utf-8").strip()
+        return model_dir, f"snapshots/{revision}"
+    if model_dir.name.startswith("models--"):  # not downloaded yet (--dry-run): the folder the run will mount
+        return model_dir, "snapshots/<revision>"
+    return None
+
+
+def model_mount(model_dir: Path) -> Mount:
+    """The read-only mount that makes the model's files real inside the runtime (see :func:`hub_snapshot`)."""
+    hub = hub_snapshot(model_dir)
+    return Mount(hub[0] if hub else model_dir, f"{IN}/model")
+
+
+def model_path(paths: Mapping[str, str], model_dir: Path) -> str:
+    """Where the job reads the model: the mount itself, or the snapshot inside a mounted hub repository folder."""
+    hub = hub_snapshot(model_dir)
+    return f"{paths['model']}/{hub[1]}" if hub else paths["model"]
+
+
 def quantize_mounts(model_dir: Path, calib_dir: Path, out_dir: Path) -> dict[str, Mount]:
-    return {"model": Mount(model_dir, f"{IN}/model"), "calib": Mount(calib_dir, f"{IN}/calib"),
+    return {"model": model_mount(model_dir), "calib": Mount(calib_dir, f"{IN}/calib"),
             "job": _job_mount(out_dir / "job"), "out": Mount(out_dir, OUT, False)}
 
 
-def quantize_job_file(recipe: Recipe, paths: Mapping[str, str], samples: int, dtype: str) -> dict[str, Any]:
+def quantize_job_file(recipe: Recipe, paths: Mapping[str, str], samples: int, dtype: str,
+                      placement: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
     """What the quantize worker is told (paths as the runtime sees them)."""
     q = recipe.quantization
     fmt, kv = weight_format(q.format), kv_cache_format(q.kv_cache)
@@ -89,7 +133,7 @@ def quantize_job_file(recipe: Recipe, paths: Mapping[str, str], samples: int, dt
         "smoothquant_alpha": q.smoothquant_alpha if fmt.calibration.algorithm == "smoothquant" else None,
         "fake_quant": ({"preset": fake.preset, "disable": list(fake.disable), "per_channel": fake.per_channel}
                        if fake else None),
-        "probe_text": PROBE_TEXT,
+        "probe_text": PROBE_TEXT, "placement": dict(placement) if placement else None,
     }
 
 
@@ -98,7 +142,8 @@ def quantize_job(rt: EngineRuntime, mounts: dict[str, Mount]) -> Job:
                                               f"{p['job']}/quantize.json"], workdir="out")
 
 
-def export_hf_job_file(recipe: Recipe, paths: Mapping[str, str], samples: int, dtype: str) -> dict[str, Any]:
+def export_hf_job_file(recipe: Recipe, paths: Mapping[str, str], samples: int, dtype: str,
+                       placement: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
     """What the unified-checkpoint worker (target pytorch) is told: the registry's ModelOpt presets by name (the
     image's ModelOpt builds them), the recipe's choices and the paths as the runtime sees them."""
     q = recipe.quantization
@@ -113,7 +158,7 @@ def export_hf_job_file(recipe: Recipe, paths: Mapping[str, str], samples: int, d
         "kv_preset": kv.modelopt_config, "kv_num_bits": kv.modelopt_num_bits,
         "calib_size": samples, "calib_max_seq_length": q.calibration.max_seq_len, "seed": q.calibration.seed,
         "dtype": dtype, "exclude_patterns": [p if p.endswith("*") else f"{p}.*" for p in q.exclude_modules],
-        "probe_text": PROBE_TEXT,
+        "probe_text": PROBE_TEXT, "placement": dict(placement) if placement else None,
     }
 
 
@@ -130,12 +175,16 @@ def evaluate_mounts(quantize_dir: Path, out_dir: Path) -> dict[str, Mount]:
             "out": Mount(out_dir, OUT, False)}
 
 
-def evaluate_job_file(paths: Mapping[str, str], dtype: str, batch_size: int, pad_id: int) -> dict[str, Any]:
+def evaluate_job_file(paths: Mapping[str, str], dtype: str, batch_size: int, pad_id: int,
+                      placement: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    """What the evaluate worker is told. ``scratch_dir``: where it keeps the base model's log-probabilities (fp16)
+    between its two passes; it removes them when done."""
     q = paths["quantize"]
     return {"model_dir": f"{q}/{CHECKPOINT_DIR}", "modelopt_state": f"{q}/{CHECKPOINT_DIR}/{MODELOPT_STATE}",
             "restore_check": f"{q}/{RESTORE_CHECK}", "sequences": f"{paths['job']}/sequences.json",
             "result": f"{paths['out']}/job/evaluate.result.json", "dtype": dtype, "batch_size": batch_size,
-            "pad_id": pad_id}
+            "pad_id": pad_id, "scratch_dir": f"{paths['out']}/{BASE_LOGPROBS_DIR}",
+            "placement": dict(placement) if placement else None}
 
 
 def evaluate_job(rt: EngineRuntime, mounts: dict[str, Mount]) -> Job:

@@ -2,7 +2,10 @@
 
 Works on kiln's repositories and on ones made by hand from upstream's templates. Each finding names the model,
 the file, the line and the fix. Checks: every config.pbtxt parses into Triton's own schema
-(`model_config_pb2.ModelConfig`); no `${…}` placeholder is left; ensemble steps name existing models and
+(`model_config_pb2.ModelConfig`); an unfilled `${…}` parameter is an error where upstream's model reads it
+with no fallback and a warning naming the default otherwise (`data/upstream_parameters.yaml`, read from
+tensorrtllm_backend@c2e65b8); an absolute path outside the repository that this machine lacks is a warning (the
+serving container's); ensemble steps name existing models and
 tensors with matching types; streaming needs decoupled models; limits and KV-cache features agree with the
 engine's `config.json`; the tokenizer is present and loads; the engine's TensorRT-LLM version is the one the
 serving container in `kiln.json` ships. Triton llmapi repositories (target pytorch) get their own checks
@@ -11,9 +14,11 @@ serving container in `kiln.json` ships. Triton llmapi repositories (target pytor
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Literal, Optional
 
@@ -101,12 +106,87 @@ def load_models(repo: Path) -> tuple[dict[str, Model], list[Finding]]:
     return models, findings
 
 
+@functools.lru_cache(maxsize=1)
+def upstream_parameters() -> dict[str, Any]:
+    """How upstream's models read each parameter and what an unfilled one means there
+    (``triton/data/upstream_parameters.yaml``, read from tensorrtllm_backend at the commit it names)."""
+    import yaml
+
+    return yaml.safe_load((resources.files("kiln.triton") / "data" / "upstream_parameters.yaml").read_text("utf-8"))
+
+
+def _parameter_at(m: Model, line_no: int, placeholder: str) -> Optional[str]:
+    """The parameter whose value holds ``placeholder`` on line ``line_no`` (the nearest ``key:`` above it)."""
+    if m.config is None:
+        return None
+    lines = m.text.splitlines()
+    for i in range(line_no - 1, -1, -1):
+        match = re.search(r'key:\s*"([^"]+)"', lines[i])
+        if match:
+            key = match.group(1)
+            if key in m.config.parameters and placeholder in m.config.parameters[key].string_value:
+                return key
+            return None
+    return None
+
+
+def _is_set(value: Optional[str]) -> bool:
+    return bool(value) and not PLACEHOLDER.search(value or "")
+
+
+def _grade(m: Model, key: str, placeholder: str, file: str, line: int) -> Finding:
+    """An unfilled parameter: an error where upstream's model reads it with no fallback, else a warning naming the
+    default it falls back to (the table in upstream_parameters.yaml, with the upstream file and line read)."""
+    table = upstream_parameters()
+    entry = (table["models"].get(m.name) or {}).get(key)
+    backend = table.get("backends", {}).get(m.name)
+    if entry is not None and backend is not None and m.config is not None and m.config.backend != backend:
+        entry = None  # the table describes upstream's backend for this model, not another one
+    where = f"tensorrtllm_backend@{table['source']['commit']} {entry['source']}" if entry else ""
+    fill = f"fill {placeholder} (upstream's fill_template leaves unknown names in place)"
+    if entry is None:
+        return Finding("error", m.name, file, line, f"unfilled placeholder {placeholder} in parameter {key!r}: "
+                       "kiln does not know how this model reads it", fill + ", or delete the parameter")
+    cond = entry.get("error_when")
+    if cond is not None:
+        other = m.param(cond["parameter"])
+        hit = (other == cond["equals"]) if "equals" in cond else (_is_set(other) == bool(cond.get("set")))
+        if hit:
+            return Finding("error", m.name, file, line, f"unfilled parameter {key} ({placeholder}): {entry['reason']} "
+                           f"[{where}]", fill)
+    elif entry.get("severity") == "error":
+        return Finding("error", m.name, file, line, f"unfilled parameter {key} ({placeholder}): {entry['reason']} "
+                       f"[{where}]", fill)
+    return Finding("warning", m.name, file, line, f"unfilled parameter {key} ({placeholder}) means upstream's "
+                   f"default: {entry['default']} [{where}]", fill + " to choose a value, or delete the parameter")
+
+
 def check_placeholders(m: Model) -> Iterable[Finding]:
+    """Every ``${…}`` left outside comments: graded by how upstream reads the parameter that holds it."""
     for i, line in enumerate(m.text.splitlines(), 1):
+        if line.lstrip().startswith("#"):
+            continue  # protobuf text format comment: tritonserver never sees it
         for match in PLACEHOLDER.finditer(line):
+            key = _parameter_at(m, i, match.group(0))
+            if key is not None:
+                yield _grade(m, key, match.group(0), str(m.config_path), i)
+                continue
             yield Finding("error", m.name, str(m.config_path), i, f"unfilled placeholder {match.group(0)}",
                           "fill it with a value (upstream's fill_template leaves unknown ones in place, where "
                           "they break parsing or silently mean 'default')")
+
+
+def _outside(raw: str, repo: Path) -> bool:
+    """An absolute path that is neither in the repository nor under the container root kiln mounts it at: a path
+    on the serving machine or in its container, which this machine need not have."""
+    p = Path(raw)
+    if not p.is_absolute() or raw.startswith(CONTAINER_MODEL_ROOT + "/"):
+        return False
+    try:
+        p.resolve().relative_to(Path(repo).resolve())
+        return False
+    except ValueError:
+        return True
 
 
 def _tensors(config: Any, kind: str) -> dict[str, Any]:
@@ -192,10 +272,18 @@ def check_engine_agreement(m: Model, repo: Path) -> Iterable[Finding]:
     file = str(m.config_path)
     engine = engine_dir_for(m, repo)
     if engine is None:
-        yield Finding("error", m.name, file, m.param_line("gpt_model_path"), "gpt_model_path is not set",
-                      "point gpt_model_path at the engine directory")
+        if not PLACEHOLDER.search(m.param("gpt_model_path") or m.param("engine_dir") or ""):  # else graded above
+            yield Finding("error", m.name, file, m.param_line("gpt_model_path"), "gpt_model_path is not set",
+                          "point gpt_model_path at the engine directory")
         return
     cfg_file = engine / "config.json"
+    raw = m.param("gpt_model_path") or m.param("engine_dir") or ""
+    if not cfg_file.exists() and _outside(raw, repo):
+        yield Finding("warning", m.name, file, m.param_line("gpt_model_path"),
+                      f"engine directory {raw} does not exist on this machine (a path on the serving host or in its "
+                      "container?): the limits are not checked against the engine",
+                      "lint where the engine is, or put the engine in the repository")
+        return
     try:
         cfg = json.loads(cfg_file.read_text())
     except (OSError, ValueError) as exc:
@@ -293,7 +381,14 @@ def check_tokenizer(m: Model, repo: Path) -> Iterable[Finding]:
     line = m.param_line("tokenizer_dir")
     tdir = _tokenizer_dir(m, repo)
     if tdir is None:
-        yield Finding("error", m.name, file, line, "tokenizer_dir is not set", "point it at the tokenizer directory")
+        if not PLACEHOLDER.search(m.param("tokenizer_dir") or ""):  # an unfilled one is graded by check_placeholders
+            yield Finding("error", m.name, file, line, "tokenizer_dir is not set", "point it at the tokenizer directory")
+        return
+    raw = m.param("tokenizer_dir") or ""
+    if not tdir.is_dir() and _outside(raw, repo):
+        yield Finding("warning", m.name, file, line, f"tokenizer directory {raw} does not exist on this machine (a "
+                      "path on the serving host or in its container?): the tokenizer is not checked",
+                      "lint where the tokenizer is, or copy it into the repository (kiln package does)")
         return
     if not tdir.is_dir():
         yield Finding("error", m.name, file, line, f"tokenizer directory {tdir} does not exist",

@@ -17,6 +17,7 @@ every engine and serving key of a recipe, what it becomes on this target (``kiln
 
 from __future__ import annotations
 
+import copy
 import functools
 import typing
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from importlib import resources
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, create_model
 from tritonclient.grpc import model_config_pb2 as mc
 
 from kiln.recipe.formats import kv_cache_format, registry
@@ -69,7 +70,30 @@ def llm_args_data(version: str = DEFAULT_LLM_ARGS_VERSION) -> dict:
     if version not in llm_args_versions():
         raise LookupError(f"no LLM-argument table for TensorRT-LLM {version!r} (kiln/triton/data/llm_args/); known: "
                           f"{', '.join(llm_args_versions())}")
-    return _load(f"llm_args/{version}.yaml")
+    data = _load(f"llm_args/{version}.yaml")
+    base = data.pop("extends", None)
+    if base is None:
+        return data
+    # a release whose arguments are another's plus `changes` (its own `pinned`, `sources` and caveat)
+    merged = copy.deepcopy(llm_args_data(str(base)))
+    changes = data.pop("changes", None) or {}
+    for name, spec in (changes.get("classes") or {}).items():
+        fields = merged["classes"].setdefault(name, {"fields": {}})["fields"]
+        for field, value in (spec.get("fields") or {}).items():
+            if value is None:
+                fields.pop(field, None)  # removed in this release
+            else:
+                fields[field] = value
+    merged.update(data)
+    return merged
+
+
+def llm_args_version(recipe: Recipe) -> str:
+    """The TensorRT-LLM release whose LLM arguments a recipe's files are checked against: its
+    ``engine_runtime.trtllm_version`` (``LookupError`` when kiln has no table for it)."""
+    version = recipe.engine_runtime.trtllm_version.strip()
+    llm_args_data(version)
+    return version
 
 
 @functools.cache
@@ -85,7 +109,7 @@ _STRICT = ConfigDict(extra="forbid", strict=True, arbitrary_types_allowed=True)
 
 def _type(text: str, namespace: dict[str, Any]) -> Any:
     """A field type written in the data file's typing notation (no builtins reachable but the type names)."""
-    names = {"Optional": Optional, "List": list, "Literal": Literal, "Union": Union, "Any": Any, "bool": bool,
+    names = {"Optional": Optional, "List": list, "Dict": dict, "Literal": Literal, "Union": Union, "Any": Any, "bool": bool,
              "int": int, "float": float, "str": str, "dict": dict, **namespace}
     return eval(text, {"__builtins__": {}}, names)  # noqa: S307 - kiln's own data file, no builtins
 
@@ -94,10 +118,11 @@ def _fields(spec: dict, namespace: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for name, field in (spec or {}).items():
         kind = _type(str(field["type"]), namespace)
+        alias = {"validation_alias": AliasChoices(name, *field["aliases"])} if field.get("aliases") else {}
         if field.get("required"):
-            out[name] = (kind, ...)
+            out[name] = (kind, Field(..., **alias))
         else:
-            out[name] = (kind, Field(default=field.get("default")))
+            out[name] = (kind, Field(default=field.get("default"), **alias))
     return out
 
 
@@ -146,8 +171,14 @@ def check_llm_args(args: dict, version: str = DEFAULT_LLM_ARGS_VERSION) -> list[
         if not variant["pytorch"]:
             problems.append(f"speculative_config.decoding_type: {sc[spec['dispatch_key']]} does not run on the "
                             "PyTorch backend")
+        fields = {**spec["base_fields"], **(variant.get("fields") or {})}
+
+        def given(key: str) -> bool:  # the field under its name or any alias upstream accepts
+            names = (key, *((fields.get(key) or {}).get("aliases") or ()))
+            return any(sc.get(n) not in (None, 0) for n in names)
+
         problems += [f"speculative_config.{k}: needed by {sc[spec['dispatch_key']]}" for k in variant.get("needs", ())
-                     if sc.get(k) in (None, 0)]
+                     if not given(k)]
     return problems
 
 

@@ -32,7 +32,9 @@ from kiln.triton.llmapi import (
     DRAFT_DIR,
     MODEL_NAME,
     MODEL_YAML,
+    DEFAULT_LLM_ARGS_VERSION,
     check_llm_args,
+    llm_args_version,
     check_triton_config,
     dequantize_table,
     dump_yaml,
@@ -41,7 +43,7 @@ from kiln.triton.llmapi import (
     trtllm_serve_command,
     trtllm_serve_options,
 )
-from kiln.triton.repository import install_python_model
+from kiln.triton.repository import install_python_model, serving_record
 from kiln.util.artifacts import link_tree
 from kiln.util.errors import KilnError
 
@@ -55,14 +57,15 @@ GPU_RUNTIME = "pytorch: TensorRT-LLM's LLM API (PyTorch backend) loading ModelOp
 
 def _header(recipe: Recipe) -> str:
     return (f"# model.yaml of kiln recipe {recipe.name!r} (target pytorch), read by tensorrt_llm/1/model.py.\n"
-            "# Every key but triton_config is an LLM argument of TensorRT-LLM 1.2.1 (tensorrt_llm.LLM); paths are\n"
+            f"# Every key but triton_config is an LLM argument of TensorRT-LLM {recipe.engine_runtime.trtllm_version} "
+            "(tensorrt_llm.LLM); paths are\n"
             "# relative to this directory. Written by kiln: change the recipe and package again.")
 
 
-def check_model_yaml(data: dict[str, Any]) -> list[str]:
-    """The problems of a whole model.yaml: its LLM arguments and its triton_config."""
+def check_model_yaml(data: dict[str, Any], version: str = DEFAULT_LLM_ARGS_VERSION) -> list[str]:
+    """The problems of a whole model.yaml: its LLM arguments (TensorRT-LLM ``version``'s) and its triton_config."""
     args = {k: v for k, v in data.items() if k != "triton_config"}
-    return check_llm_args(args) + check_triton_config(data.get("triton_config"))
+    return check_llm_args(args, version) + check_triton_config(data.get("triton_config"))
 
 
 def serving_container(recipe: Recipe, image: Optional[str] = None, digest: Optional[str] = None) -> str:
@@ -82,9 +85,10 @@ def write_llmapi_repository(recipe: Recipe, checkpoint: Path, out: Path, max_seq
     The model.yaml it writes is checked against the pinned LLM arguments before anything else is written."""
     runtime = llmapi_runtime(recipe)
     data = model_yaml(recipe, max_seq_len, draft=draft_checkpoint is not None)
-    problems = check_model_yaml(data)
+    args_version = llm_args_version(recipe)
+    problems = check_model_yaml(data, args_version)
     if problems:
-        raise KilnError("the model.yaml kiln would write is not what TensorRT-LLM 1.2.1 takes:\n  "
+        raise KilnError(f"the model.yaml kiln would write is not what TensorRT-LLM {args_version} takes:\n  "
                         + "\n  ".join(problems))
     model = out / MODEL_NAME
     version = model / "1"
@@ -125,9 +129,11 @@ def write_llmapi_repository(recipe: Recipe, checkpoint: Path, out: Path, max_seq
         "server_command": command,
         "check_command": [],
         "llm_args": args,
+        "llm_args_version": args_version,
         "trtllm_serve_command": trtllm_serve_command(recipe, f"{CONTAINER_REPO}/{MODEL_NAME}/1/{CHECKPOINT_DIR}",
                                                      f"{SERVE_DIR}/{OPTIONS_FILE}"),
         "quality": quality,
+        "serving": serving_record(recipe),
     }
     (out / "kiln.json").write_text(json.dumps(info, indent=2), encoding="utf-8")
     return info
@@ -145,9 +151,10 @@ def write_trtllm_serve_files(recipe: Recipe, info: dict[str, Any], deploy_dir: P
     if isinstance(spec, dict) and spec.get("speculative_model_dir") == DRAFT_DIR:
         args["speculative_config"] = {**spec, "speculative_model_dir": f"{CONTAINER_REPO}/{MODEL_NAME}/1/{DRAFT_DIR}"}
     options = trtllm_serve_options(args)
-    problems = check_llm_args({**options, "model": "checkpoint"})
+    version = llm_args_version(recipe)
+    problems = check_llm_args({**options, "model": "checkpoint"}, version)
     if problems:
-        raise KilnError("the trtllm-serve options kiln would write are not TensorRT-LLM 1.2.1's:\n  "
+        raise KilnError(f"the trtllm-serve options kiln would write are not TensorRT-LLM {version}'s:\n  "
                         + "\n  ".join(problems))
     options_file = serve_dir / OPTIONS_FILE
     options_file.write_text(dump_yaml(options, f"# trtllm-serve --extra_llm_api_options for kiln recipe "

@@ -219,6 +219,7 @@ def trtllm_config(r: Recipe, name: str, max_seq_len: int, engine_cfg: dict, kv_t
         "cancellation_check_period_ms": 100,
     }
     if reference:
+        add_prompt_scoring(c)
         b = engine_cfg["build_config"]
         ref_tokens = s.max_tokens_in_paged_kv_cache or b["max_batch_size"] * b["max_seq_len"]
         set_parameters(c, {**common,
@@ -253,6 +254,21 @@ def trtllm_config(r: Recipe, name: str, max_seq_len: int, engine_cfg: dict, kv_t
             c.parameters[key].string_value = ""
     set_logits_type(c, logits_type(engine_cfg))
     return c
+
+
+#: kiln's prompt-scoring extension of the reference runtime's tensorrt_llm contract (the OpenAI server's echo /
+#: loglikelihood requests; see the reference model's docstring): input -> outputs.
+PROMPT_SCORING = ("return_prompt_log_probs", (("prompt_log_probs", "TYPE_FP32"), ("prompt_top_ids", "TYPE_INT32"),
+                                              ("prompt_top_log_probs", "TYPE_FP32")))
+
+
+def add_prompt_scoring(c) -> None:
+    """Declare :data:`PROMPT_SCORING` on a reference tensorrt_llm config (an optional input and three outputs)."""
+    name, outputs = PROMPT_SCORING
+    t = c.input.add(name=name, data_type=mc.TYPE_BOOL, dims=[1], optional=True)
+    t.reshape.SetInParent()  # reshape: [ ] (a scalar per request), as upstream declares its flags
+    for out, dtype in outputs:
+        c.output.add(name=out, data_type=mc.DataType.Value(dtype), dims=[-1])
 
 
 def ensemble_config(r: Recipe, trt_inputs: set[str], trt_outputs: set[str]):
@@ -365,6 +381,17 @@ def models_source() -> Path:
     return Path(str(resources.files("kiln.triton") / "models"))
 
 
+#: The recipe's serving.* keys kiln.json records under ``serving``: where `kiln serve REPO` serves the repository
+#: (kiln.serve.session.serving_record reads them back; the schema holds their defaults).
+SERVING_RECORD_KEYS = ("host", "http_port", "grpc_port", "metrics_port", "openai_port", "openai_model")
+
+
+def serving_record(recipe: Recipe) -> dict[str, Any]:
+    """kiln.json's ``serving``: the host and ports the recipe serves on (HTTP, gRPC, metrics, OpenAI) and the Triton
+    model its OpenAI-compatible server calls; the one record of where this repository is served."""
+    return {key: getattr(recipe.serving, key) for key in SERVING_RECORD_KEYS}
+
+
 def write_repository(inp: RepoInputs, out: Path, max_seq_len: int, final: Optional[Path] = None) -> dict[str, Any]:
     """Write the whole repository into `out` (an empty directory, renamed to `final` when complete: kiln.json's
     server command names `final`, never the temporary directory). Returns the kiln.json content."""
@@ -447,6 +474,7 @@ def write_repository(inp: RepoInputs, out: Path, max_seq_len: int, final: Option
         "server_command": command,
         "check_command": ["python3", f"{root}/{CHECK_SCRIPT}", root],
         "quality": inp.quality,
+        "serving": serving_record(r),
     }
     (out / "kiln.json").write_text(json.dumps(info, indent=2))
     return info

@@ -22,7 +22,15 @@ import copy
 import time
 
 from quantize import calibration_loop, calibration_texts, disable_patterns, merge_entries, save_state, versions
-from worker_io import device_name, job_from_command_line, load_model, runtime_device, write_result
+from worker_io import (
+    device_name,
+    input_device,
+    job_from_command_line,
+    load_model,
+    runtime_device,
+    weight_fingerprints,
+    write_result,
+)
 
 
 def set_block_size(config, block):
@@ -84,16 +92,18 @@ def main():
 
     device = runtime_device()
     torch.manual_seed(job["seed"])
-    model = load_model(job, device)
+    model = load_model(job, device)  # spread over the recipe's GPUs (worker_io.load_model)
     tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
     texts = calibration_texts(job)[: job["calib_size"]]
-    model = mtq.quantize(model, quant_config(mtq, job), forward_loop=calibration_loop(job, tokenizer, texts, device))
+    before = weight_fingerprints(model)
+    model = mtq.quantize(model, quant_config(mtq, job),
+                         forward_loop=calibration_loop(job, tokenizer, texts, input_device(model)))
     with torch.no_grad():
         requantize_resmooth_fused_llm_layers(model)  # what export_hf_checkpoint does first; see the docstring
-    save_state(model, job)
+    held = save_state(model, job, before)
     export_hf_checkpoint(model, dtype=getattr(torch, job["dtype"]), export_dir=job["output_dir"])
     tokenizer.save_pretrained(job["output_dir"])
-    write_result(job, {"packages": versions(), "device": device_name(device), "state_from": "calibration",
+    write_result(job, {"packages": versions(), "device": device_name(device), "state_from": "calibration", "state": held,
                        "export": "modelopt.torch.export.export_hf_checkpoint",
                        "seconds": round(time.monotonic() - started, 3)})
 

@@ -7,8 +7,9 @@ It calls ``tensorrt_llm.quantization.quantize_and_export`` — the API behind Te
 TensorRT-LLM was made with. Around that call it adds what kiln's recipe and quality gate need:
 
 * the recipe's excluded modules and SmoothQuant strength are applied to the ModelOpt config TensorRT-LLM chose;
-* right after calibration, the calibrated quantizers are saved (``modelopt.torch.opt.save``) with the logits of
-  a probe, so that the evaluate worker grades exactly the quantizers that were exported;
+* right after calibration, the calibrated quantizers are saved (ModelOpt's state plus the quantizers' tensors and
+  any weight calibration changed, not a second copy of the weights: worker_io.save_quantizer_state) with the
+  logits of a probe, so that the evaluate worker grades exactly the quantizers that were exported;
 * for formats TensorRT-LLM quantizes at build time (weight-only), whose export calibrates nothing, the same
   per-channel scheme is applied to a copy of the model for the quality gate;
 * the tokenizer is copied beside the checkpoint (quantize_and_export writes none).
@@ -23,7 +24,17 @@ import json
 import os
 import time
 
-from worker_io import device_name, job_from_command_line, load_model, runtime_device, write_result
+from worker_io import (
+    device_name,
+    free_memory,
+    input_device,
+    job_from_command_line,
+    load_model,
+    runtime_device,
+    save_quantizer_state,
+    weight_fingerprints,
+    write_result,
+)
 
 
 def disable_patterns(config, patterns):
@@ -73,21 +84,22 @@ def merge_entries(config, entries):
     return config
 
 
-def save_state(model, job):
-    """The calibrated quantizers, and a probe's logits that the restored model must reproduce."""
-    import modelopt.torch.opt as mto
+def save_state(model, job, before):
+    """The calibrated quantizers (``before``: the weights' fingerprints from before calibration), and a probe's
+    logits that the restored model must reproduce. Returns what the state file holds."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
     os.makedirs(os.path.dirname(job["modelopt_state"]), exist_ok=True)
-    mto.save(model, job["modelopt_state"])
+    held = save_quantizer_state(model, job["modelopt_state"], before)
     tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
     ids = torch.tensor(tokenizer(job["probe_text"])["input_ids"][: job.get("probe_tokens", 32)])[None, :]
-    device = next(model.parameters()).device
+    device = input_device(model)
     with torch.no_grad():
         logits = model(input_ids=ids.to(device), use_cache=False).logits.float().cpu()
     save_file({"input_ids": ids.contiguous(), "logits": logits.contiguous()}, job["restore_check"])
+    return held
 
 
 def calibration_texts(job):
@@ -126,10 +138,11 @@ def fake_quant_state(job, quantize, device):
         from tensorrt_llm.quantization.quantize_by_modelopt import KV_CACHE_CFG
 
         config = merge_entries(config, KV_CACHE_CFG["quant_cfg"])  # what quantize_and_export uses for int8
+    free_memory()  # quantize_and_export's model is gone: one model on the GPUs at a time
     model = load_model(job, device)
     tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
     texts = calibration_texts(job)[: max(1, min(job["calib_size"], 32))]
-    quantize(model, config, forward_loop=calibration_loop(job, tokenizer, texts, device))
+    quantize(model, config, forward_loop=calibration_loop(job, tokenizer, texts, input_device(model)))
 
 
 def versions():
@@ -152,9 +165,9 @@ def main():
     calibrated = []
 
     def quantize(model, config, forward_loop=None):
+        before = weight_fingerprints(model)
         model = real_quantize(model, adjust(config, job), forward_loop=forward_loop)
-        save_state(model, job)
-        calibrated.append(True)
+        calibrated.append(save_state(model, job, before))
         return model
 
     mtq.quantize = quantize  # quantize_and_export calls mtq.quantize once it has chosen the format's config
@@ -176,6 +189,7 @@ def main():
     AutoTokenizer.from_pretrained(job["model_dir"]).save_pretrained(os.path.join(job["output_dir"], "tokenizer"))
     write_result(job, {"packages": versions(), "device": device_name(device),
                        "state_from": "weights" if job.get("fake_quant") else "calibration",
+                       "state": calibrated[-1] if calibrated else None,
                        "seconds": round(time.monotonic() - started, 3)})
 
 

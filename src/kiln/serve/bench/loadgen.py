@@ -519,7 +519,9 @@ async def run_bench_async(cfg: BenchConfig) -> BenchReport:
 
     def report() -> BenchReport:
         model = session.describe() if opened else {"name": cfg.model, "token_basis": None}
-        return BenchReport(cfg.to_dict(), model, list(results), started, time.perf_counter() - t0)
+        # the model that ran (with --openai: the served id, not the Triton default the option starts from)
+        return BenchReport({**cfg.to_dict(), "model": model["name"]}, model, list(results), started,
+                           time.perf_counter() - t0)
 
     try:
         await session.open()

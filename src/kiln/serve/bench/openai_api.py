@@ -5,6 +5,7 @@ one JSON body with ``streaming`` off) over one shared HTTP connection pool (aioh
 1 ms less CPU per request than httpx's pure-Python one, which would otherwise be measured as the server's
 latency) and reads the server-sent events:
 TTFT is the first event carrying text, each text event is a token-carrying response, E2E ends at ``[DONE]``.
+Prompt tokens: the server's ``usage.prompt_tokens``, summed per level (``prompt_tokens``).
 Output tokens: the server's ``usage.completion_tokens`` when it reports them (``token_basis`` ``"model"``;
 events are then counted one token each, the last one taking the rest), else one per text event
 (``"responses"``). Before the first level one short request checks the endpoint and the model and learns
@@ -163,7 +164,7 @@ class _OpenAIClient:
                 o.t_end = o.t_first = time.perf_counter()
                 o.text = "".join(c.get("text") or "" for c in data.get("choices") or [])
                 o.token_times.append(o.t_end)
-                o.token_counts.append(self._usage(data) or 0)
+                o.token_counts.append(self._usage(data, o) or 0)
                 return
             chunks: list[str] = []
             async for raw_line in resp.content:
@@ -185,7 +186,7 @@ class _OpenAIClient:
                     o.token_times.append(now)
                     o.token_counts.append(1)
                     chunks.append(text)
-                used = self._usage(event)
+                used = self._usage(event, o)
                 if used is not None and o.token_counts:  # the server's count: the last event takes the rest
                     o.token_counts[-1] = max(1, used - (len(o.token_counts) - 1))
             else:
@@ -193,8 +194,10 @@ class _OpenAIClient:
                 o.error_kind, o.error = "stream", "the server ended the stream without data: [DONE]"
             o.text = "".join(chunks)
 
-    def _usage(self, data: dict[str, Any]) -> int | None:
+    def _usage(self, data: dict[str, Any], o: Outcome | None = None) -> int | None:
         usage = data.get("usage")
+        if o is not None and isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            o.prompt_tokens = usage["prompt_tokens"]
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self.session.usage_reported = True
             return usage["completion_tokens"]

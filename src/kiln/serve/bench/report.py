@@ -156,7 +156,12 @@ def format_report(report: BenchReport) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     basis = {lv.token_basis for lv in report.levels}
+    lines.insert(0, f"model {report.model.get('name') or report.config.get('model')} at {report.config.get('url')}")
     lines.append(f"(latencies in ms; output tokens counted from: {', '.join(sorted(basis))})")
+    for lv in report.levels:
+        if lv.prompt_tokens is not None or lv.token_basis == "model":
+            lines.append(f"{lv.label}: server-counted tokens: prompt {_fmt(lv.prompt_tokens, 0)}, completion "
+                         f"{_fmt(lv.output_tokens, 0)} over {lv.completed} requests")
     for lv in report.levels:
         if lv.errors:
             kinds = ", ".join(f"{k}={v}" for k, v in sorted(lv.error_kinds.items()))

@@ -58,6 +58,9 @@ class LevelResult:
     send_lag_p50_ms: float | None = None
     send_lag_p99_ms: float | None = None
     outputs: dict[str, str] | None = None
+    #: Prompt tokens of the completed requests as the server counted them (OpenAI ``usage.prompt_tokens``);
+    #: None when the server reports no count.
+    prompt_tokens: int | None = None
 
     #: Fields that are not one number (left out of the CSV).
     NON_SCALAR = ("error_kinds", "error_samples", "outputs")
@@ -96,6 +99,7 @@ class Outcome:
     t_first: float | None = None
     token_times: list[float] = field(default_factory=list)
     token_counts: list[int] = field(default_factory=list)
+    prompt_tokens: int | None = None  # the server's count (OpenAI usage.prompt_tokens), when it reports one
     text: str = ""
     error_kind: str | None = None
     error: str | None = None
@@ -119,6 +123,7 @@ class Recorder:
         self.e2e: list[float] = []
         self.send_lag: list[float] = []
         self.tokens = 0
+        self.prompt_tokens: int | None = None
         self.first_text: dict[str, str] = {}
         self.t_start: float | None = None
         self.t_last: float | None = None
@@ -142,6 +147,8 @@ class Recorder:
         if seen != o.text:
             self.inconsistent += 1
         self.completed += 1
+        if o.prompt_tokens is not None:
+            self.prompt_tokens = (self.prompt_tokens or 0) + o.prompt_tokens
         self.e2e.append((o.t_end - o.t_send) * 1e3)
         if o.t_first is not None:
             self.ttft.append((o.t_first - o.t_send) * 1e3)
@@ -191,6 +198,7 @@ class Recorder:
             send_lag_p50_ms=lag[0],
             send_lag_p99_ms=lag[2],
             outputs=dict(self.first_text) if self.cfg.record_outputs else None,
+            prompt_tokens=self.prompt_tokens,
         )
 
 

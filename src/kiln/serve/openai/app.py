@@ -14,6 +14,14 @@ Log-probs (``logprobs`` true for chat, ``logprobs: 0`` for completions) are the 
 the model returns (``output_log_probs``); a response carrying several tokens (a UTF-8 character spread over
 tokens) gives its text to the last of them.
 
+Token-id prompts are decoded with the repository's tokenizer and sent as text (the ensemble's contract takes text):
+they are served when preprocessing's tokenization of that text gives back exactly the ids sent (after the special
+tokens it adds itself, e.g. BOS), and refused naming the first position that differs otherwise; ids outside the
+vocabulary are refused naming them. ``echo`` requests (prompt scoring) send the ids themselves to the model that
+scores them (:meth:`~.backend.TritonBackend.score`) and answer as OpenAI's legacy completions API did: ``tokens``,
+``token_logprobs`` (None for the first token), ``top_logprobs`` (the argmax alternative per position, with
+``logprobs: 1``) and ``text_offset`` over the prompt and at most one greedy token.
+
 Errors are OpenAI-shaped (:class:`~.protocol.APIError`): a bad request or a request the model refuses gets a
 400 with the reason before any event is sent; an error after the stream started is sent as a last ``error``
 event. A client that goes away mid-stream cancels the Triton request.
@@ -62,6 +70,62 @@ class ModelInfo:
 
     def count(self, text: str, special: bool) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=special).ids) if self.tokenizer else 0
+
+    def check_ids(self, ids: list[int]) -> None:
+        """Refuse token ids outside the tokenizer's vocabulary (naming them), or any ids without a tokenizer."""
+        if self.tokenizer is None:
+            raise bad("token-id prompts need the served repository's tokenizer: start the server with the "
+                      "repository (kiln serve --openai, or kiln openai --repo)", "prompt")
+        vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        outside = [t for t in ids if not 0 <= t < vocab]
+        if outside:
+            raise bad(f"prompt: token ids outside the vocabulary [0, {vocab}): {outside[:10]}", "prompt")
+
+    def ids_to_text(self, ids: list[int]) -> str:
+        """The text whose tokenization by preprocessing (special tokens added) is exactly ``ids``."""
+        self.check_ids(ids)
+        prefix = self.tokenizer.encode("", add_special_tokens=True).ids  # what preprocessing adds (e.g. BOS)
+        body = ids[len(prefix):] if prefix and ids[: len(prefix)] == prefix else ids
+        text = self.tokenizer.decode(body, skip_special_tokens=False)
+        again = self.tokenizer.encode(text, add_special_tokens=True).ids
+        if again != prefix + body:
+            expected = prefix + body
+            at = next((i for i, (a, b) in enumerate(zip(again, expected)) if a != b), min(len(again), len(expected)))
+            raise bad(f"prompt: these token ids are not how this model's tokenizer encodes their text (they differ "
+                      f"from position {at}); the served model takes text, so send the text, or ids the tokenizer "
+                      "produced", "prompt")
+        return text
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer is not None else ""
+
+
+def echo_body(completion: Completion, ids: list[int], score: Any) -> dict[str, Any]:
+    """The legacy completions answer to an echo request: the prompt's tokens (and at most one greedy token) with
+    their log-probs and, with ``logprobs: 1``, the top-1 alternative at each position."""
+    req, info = completion.req, completion.info
+    n = len(ids)
+    tokens = [info.token_text(t) for t in ids]
+    lps: list[float | None] = [None] + [float(v) for v in score.log_probs[1:n]]
+    tops: list[dict[str, float] | None] = [None] + [{info.token_text(score.top_ids[j]): float(score.top_log_probs[j])}
+                                                    for j in range(1, n)]
+    generated = completion.max_tokens == 1
+    if generated:  # the greedy next token: the argmax after the whole prompt
+        nxt = info.token_text(score.top_ids[n])
+        tokens.append(nxt)
+        lps.append(float(score.top_log_probs[n]))
+        tops.append({nxt: float(score.top_log_probs[n])})
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    logprobs = {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops if req.top_logprobs else None,
+                "text_offset": offsets} if req.logprobs else None
+    text = "".join(tokens) if req.prompt_ids is not None else req.prompt + (tokens[-1] if generated else "")
+    body = completion._envelope([{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": "length"}],
+                                chunk=False)
+    body["usage"] = {"prompt_tokens": n, "completion_tokens": int(generated), "total_tokens": n + int(generated)}
+    return body
 
 
 class StopCutter:
@@ -237,7 +301,9 @@ def create_app(backend: TritonBackend, info: ModelInfo) -> Any:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves {info.name!r} "
                                 "(GET /v1/models)", param="model", code="model_not_found")
         if not req.chat:
-            return req.prompt, req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+            if req.prompt_ids is not None and not req.echo:
+                req.prompt = info.ids_to_text(req.prompt_ids)
+            return req.prompt, req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
         if info.template is None:
             raise bad(f"the model {info.name!r} has no chat template (its tokenizer defines none), so it cannot "
                       "serve chat completions; use /v1/completions with your own prompt format", "messages",
@@ -269,6 +335,17 @@ def create_app(backend: TritonBackend, info: ModelInfo) -> Any:
             req = parse_request(raw, self.chat)
             prompt, max_tokens = prepare(req)
             done = Completion(req, info, prompt, max_tokens)
+            if req.echo:
+                if req.prompt_ids is not None:
+                    info.check_ids(req.prompt_ids)
+                    ids = req.prompt_ids
+                elif info.tokenizer is not None:
+                    ids = info.tokenizer.encode(prompt, add_special_tokens=True).ids  # as preprocessing does
+                else:
+                    raise bad("echo needs the served repository's tokenizer: start the server with the repository",
+                              "echo")
+                await JSONResponse(echo_body(done, ids, await backend.score(ids)))(scope, receive, send)
+                return
             gen = backend.generate(req, prompt, max_tokens)
             if not req.stream:
                 try:

@@ -16,6 +16,16 @@ steps, while the running ``tensorrt_llm`` request would generate to the end). So
 whose steps include a model with upstream's ``stop`` input, the backend also sends that model a ``stop`` request
 with the same request id (the ensemble passes its id to its steps): upstream's own way of stopping a request,
 which TensorRT-LLM's backend and kiln's reference runtime both honour.
+
+Non-streaming requests with ``stop`` sequences or log-probabilities are streamed from Triton all the same (when
+the model is decoupled): the app then cuts at the stop text and cancels the rest as soon as it appears, and each
+response carries its own token, so per-token text and offsets equal a streamed request's.
+
+Prompt scoring (``echo``, lm-eval's loglikelihood): :meth:`TritonBackend.score` sends the prompt's token ids to
+the ensemble's language-model step with kiln's ``return_prompt_log_probs`` input; the model answers with each
+prompt token's log-probability and the argmax alternative at every position (``prompt_log_probs``,
+``prompt_top_ids``, ``prompt_top_log_probs``), computed where the logits are: never the context logits over
+the wire. kiln's reference runtime has these tensors; a model without them gets the request refused.
 """
 
 from __future__ import annotations
@@ -40,7 +50,11 @@ from kiln.serve.wire import (
 #: Ensemble inputs the server sends: name -> Triton datatype.
 INPUT_TYPES = {"text_input": "BYTES", "max_tokens": "INT32", "stream": "BOOL", "exclude_input_in_output": "BOOL", "temperature": "FP32", "top_p": "FP32",
                "top_k": "INT32", "seed": "UINT64", "stop_words": "BYTES", "return_log_probs": "BOOL",
-               "return_num_input_tokens": "BOOL", "return_num_output_tokens": "BOOL"}
+               "return_num_input_tokens": "BOOL", "return_num_output_tokens": "BOOL", "end_id": "INT32",
+               "min_tokens": "INT32"}
+#: kiln's prompt-scoring extension of the tensorrt_llm contract (see the module docstring).
+SCORE_INPUT = "return_prompt_log_probs"
+SCORE_OUTPUTS = ("prompt_log_probs", "prompt_top_ids", "prompt_top_log_probs")
 
 
 #: Idle streams kept open for reuse (beyond this, a finished request's stream is closed).
@@ -56,6 +70,7 @@ class Contract:
     decoupled: bool
     batched: bool
     stop_model: str | None = None  # an ensemble step with upstream's `stop` input (see the module docstring)
+    score_model: str | None = None  # the model that scores prompts (kiln's return_prompt_log_probs input)
 
     def counts(self, kind: str) -> bool:
         """Whether the model reports ``num_<kind>_tokens`` (kind: input or output) when asked."""
@@ -75,6 +90,16 @@ class Chunk:
     output_tokens: int | None = None
     logprobs: list[float] = field(default_factory=list)
     final: bool = False
+
+
+@dataclass
+class Score:
+    """A prompt scored by the model: per position j, the log-prob of token j given tokens < j (entry 0: none),
+    and the argmax token of the distribution predicting position j with its log-prob (entry n: the next token)."""
+
+    log_probs: list[float]
+    top_ids: list[int]
+    top_log_probs: list[float]
 
 
 class TritonBackend:
@@ -138,11 +163,12 @@ class TritonBackend:
                                         "(text_input, max_tokens -> text_output)")
                 self._contract = Contract(frozenset(names), frozenset(t.name for t in meta.outputs),
                                           bool(cfg.model_transaction_policy.decoupled), cfg.max_batch_size > 0,
-                                          await self._stop_model(cfg))
+                                          await self._step_with(cfg, "stop"),
+                                          await self._step_with(cfg, SCORE_INPUT, set(SCORE_OUTPUTS)))
         return self._contract
 
-    async def _stop_model(self, cfg: Any) -> str | None:
-        """The first step of an ensemble that takes upstream's ``stop`` input (None for other models)."""
+    async def _step_with(self, cfg: Any, input_name: str, outputs: set[str] = frozenset()) -> str | None:
+        """The first step of an ensemble that takes ``input_name`` (and has ``outputs``); None for other models."""
         import grpc
         from tritonclient.grpc import service_pb2
 
@@ -153,9 +179,56 @@ class TritonBackend:
                 meta = await self._stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=step.model_name), timeout=5)
             except grpc.aio.AioRpcError:
                 continue
-            if "stop" in {t.name for t in meta.inputs}:
+            if input_name in {t.name for t in meta.inputs} and outputs <= {t.name for t in meta.outputs}:
                 return step.model_name
         return None
+
+    async def score(self, ids: list[int]) -> Score:
+        """The model's log-probabilities of the prompt ``ids`` and its argmax alternatives (see :class:`Score`)."""
+        import struct
+
+        import grpc
+        from tritonclient.grpc import service_pb2
+
+        c = await self.contract()
+        if c.score_model is None:
+            raise bad(f"echo (prompt log-probabilities): the Triton model {self.model!r} does not compute them. kiln's "
+                      "reference runtime does (an ensemble step with the return_prompt_log_probs input); a TensorRT "
+                      "engine would need to be built with gather_context_logits, which kiln does not build yet",
+                      "echo")
+        msg = service_pb2.ModelInferRequest(model_name=c.score_model, id=f"kiln-openai-score-{uuid.uuid4().hex}")
+        msg.parameters[EMPTY_FINAL_PARAM].bool_param = True
+        msg.inputs.add(name="input_ids", datatype="INT32", shape=[1, len(ids)] if c.batched else [len(ids)])
+        msg.raw_input_contents.append(struct.pack(f"<{len(ids)}i", *ids))
+        for name, value, dtype in (("input_lengths", len(ids), "INT32"), ("request_output_len", 1, "INT32"),
+                                   (SCORE_INPUT, True, "BOOL")):
+            add_scalar_input(msg, name, value, dtype, c.batched)
+        for name in SCORE_OUTPUTS:
+            msg.outputs.add().name = name
+        call = self._stub.ModelStreamInfer()
+        values: dict[str, list] = {}
+        try:
+            await call.write(msg)
+            while not values:
+                item = await call.read()
+                if item is grpc.aio.EOF:
+                    raise APIError(503, f"Triton at {self.url} closed the stream before the scores")
+                if item.error_message:
+                    raise APIError(400, item.error_message)
+                resp = item.infer_response
+                for i, out in enumerate(resp.outputs):
+                    if out.name == "prompt_top_ids":
+                        raw = resp.raw_output_contents[i]
+                        values[out.name] = [v for (v,) in struct.iter_unpack("<i", raw)]
+                    elif out.name in SCORE_OUTPUTS:
+                        values[out.name] = raw_fp32_list(resp, i)
+                if not values and is_final(resp):
+                    raise APIError(500, f"the Triton model {c.score_model!r} sent no prompt log-probabilities")
+        except grpc.aio.AioRpcError as exc:
+            raise APIError(503, f"Triton at {self.url}: {exc.code().name}: {exc.details()}") from None
+        finally:
+            call.cancel()
+        return Score(values["prompt_log_probs"], values["prompt_top_ids"], values["prompt_top_log_probs"])
 
     def _send_stop(self, model: str, request_id: str, batched: bool) -> None:
         """Fire a ``stop`` request for ``request_id`` at ``model`` (in the background; failures are ignored)."""
@@ -190,7 +263,9 @@ class TritonBackend:
         msg = service_pb2.ModelInferRequest(model_name=self.model, id=f"kiln-openai-{uuid.uuid4().hex}")
         msg.parameters[EMPTY_FINAL_PARAM].bool_param = True
         wanted: dict[str, Any] = {"text_input": prompt.encode("utf-8"), "max_tokens": max_tokens,
-                                  "stream": req.stream and c.decoupled, "exclude_input_in_output": True}
+                                  # stop sequences and per-token log-probs: streamed internally (module docstring)
+                                  "stream": (req.stream or bool(req.stop) or req.logprobs) and c.decoupled,
+                                  "exclude_input_in_output": True}
         if req.greedy:  # greedy on every target (TensorRT-LLM samples only with top_k > 1 or top_p > 0); a model
             # without sampling inputs (kiln bench's mock) cannot sample anyway
             if "top_k" in c.inputs:
@@ -203,6 +278,13 @@ class TritonBackend:
             wanted["seed"] = req.seed
         if req.stop:
             wanted["stop_words"] = [w.encode("utf-8") for w in req.stop]  # Triton stops early; the app cuts the text
+        if req.ignore_eos:  # end_id -1: no token ends the generation
+            if "end_id" not in c.inputs:
+                raise bad(f"ignore_eos: the Triton model {self.model!r} has no end_id input to turn the end token "
+                          "off with", "ignore_eos")
+            wanted["end_id"] = -1
+        if req.min_tokens:
+            wanted["min_tokens"] = req.min_tokens
         if req.logprobs:
             if not c.logprobs:
                 raise bad(f"logprobs: the Triton model {self.model!r} does not return log-probabilities", "logprobs")

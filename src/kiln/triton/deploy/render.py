@@ -21,6 +21,7 @@ from kiln.triton.deploy.info import (
     CONTAINER_REPO,
     INIT_MOUNT,
     REGISTRY_AUTH_MOUNT,
+    RepoPull,
     LWS_API_VERSION,
     LWS_KIND,
     RUN_AS_UID,
@@ -403,28 +404,35 @@ def _resources(info: DeployInfo) -> dict[str, Any]:
 INIT_RESOURCES = {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "512Mi"}}
 
 
-def _base_volumes(info: DeployInfo) -> list[dict[str, Any]]:
-    pull = info.repo_pull
+def repo_volumes(pull: RepoPull | None, pvc: str, repo_bytes: int) -> list[dict[str, Any]]:
+    """The ``model-repo`` volume (and the registry Secret's): the user's PVC without a pull; with one, the cache PVC
+    or an emptyDir with room for the repository (its bytes and a tenth more)."""
     if pull is None:
-        repo: dict[str, Any] = {"name": "model-repo",
-                                "persistentVolumeClaim": {"claimName": pvc_name(info), "readOnly": True}}
-    elif pull.cache_pvc:
-        repo = {"name": "model-repo", "persistentVolumeClaim": {"claimName": pull.cache_pvc}}
-    else:  # room for the repository (the plan's bytes) and a tenth more
-        repo = {"name": "model-repo", "emptyDir": {"sizeLimit": f"{-(-_sizing(info).repo_bytes * 11 // 10 // (1 << 20)) + 64}Mi"}}
-    volumes = [repo, {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{_sizing(info).shm_gib}Gi"}}]
+        return [{"name": "model-repo", "persistentVolumeClaim": {"claimName": pvc, "readOnly": True}}]
+    if pull.cache_pvc:
+        repo: dict[str, Any] = {"name": "model-repo", "persistentVolumeClaim": {"claimName": pull.cache_pvc}}
+    else:
+        repo = {"name": "model-repo", "emptyDir": {"sizeLimit": f"{-(-repo_bytes * 11 // 10 // (1 << 20)) + 64}Mi"}}
+    return [repo, {"name": "registry-auth", "secret": {
+        "secretName": pull.registry_secret, "optional": True, "defaultMode": 0o440,
+        "items": [{"key": ".dockerconfigjson", "path": "config.json"}]}}]
+
+
+def repo_mount(pull: RepoPull | None) -> dict[str, Any]:
+    """Where a container reads the repository: ``/models``, the init step's folder for the digest when pulled."""
+    mount = {"name": "model-repo", "mountPath": CONTAINER_REPO, "readOnly": True}
     if pull is not None:
-        volumes.append({"name": "registry-auth", "secret": {
-            "secretName": pull.registry_secret, "optional": True, "defaultMode": 0o440,
-            "items": [{"key": ".dockerconfigjson", "path": "config.json"}]}})
-    return volumes
+        mount["subPath"] = pull.folder
+    return mount
+
+
+def _base_volumes(info: DeployInfo) -> list[dict[str, Any]]:
+    volumes = repo_volumes(info.repo_pull, pvc_name(info), _sizing(info).repo_bytes)
+    return volumes[:1] + [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{_sizing(info).shm_gib}Gi"}}] + volumes[1:]
 
 
 def _repo_mount(info: DeployInfo) -> dict[str, Any]:
-    mount = {"name": "model-repo", "mountPath": CONTAINER_REPO, "readOnly": True}
-    if info.repo_pull is not None:
-        mount["subPath"] = info.repo_pull.folder  # the init step's folder for this digest
-    return mount
+    return repo_mount(info.repo_pull)
 
 
 def _base_mounts(info: DeployInfo) -> list[dict[str, Any]]:
@@ -432,10 +440,13 @@ def _base_mounts(info: DeployInfo) -> list[dict[str, Any]]:
 
 
 def _init_container(info: DeployInfo) -> dict[str, Any]:
+    assert info.repo_pull is not None
+    return init_container(info.repo_pull)
+
+
+def init_container(pull: RepoPull) -> dict[str, Any]:
     """Pull the packaged repository by digest into the pod's volume, every layer verified, its recorded versions
     checked against the serving image's (``python -m kiln.cache.fetch``)."""
-    pull = info.repo_pull
-    assert pull is not None
     return {
         "name": "fetch-repo",
         "image": pull.init_image,

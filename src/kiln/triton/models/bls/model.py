@@ -136,6 +136,15 @@ UNSUPPORTED = {
 }
 
 
+def _items(response, batch):
+    """The batch items a tensorrt_llm response holds: its ``batch_index`` (one item per response for batch > 1, as
+    the tensorrtllm backend and kiln's reference runtime send them), else every item in order."""
+    index = _output(response, "batch_index")
+    if batch > 1 and index is not None and _output(response, "output_ids").shape[0] == 1:
+        return [int(np.asarray(index).reshape(-1)[0])]
+    return list(range(batch))
+
+
 def _batched(value):
     """An input as a BLS call to another model needs it: [batch, ...] (inputs with reshape [] arrive as [batch])."""
     value = np.asarray(value)
@@ -201,7 +210,9 @@ class TritonPythonModel:
         self.default_draft_tokens = get_int_param(cfg, "num_draft_tokens", 4)
         self.output_names = {out["name"] for out in cfg.get("output", [])}
         #: what the BLS asks the language model for: what it reads, and the declared outputs it passes on
-        self.llm_outputs = LLM_OUTPUTS[:2] + [n for n in LLM_OUTPUTS[2:] if n in self.output_names]
+        # batch_index always: a request of batch > 1 is answered one item per response, which the BLS reassembles
+        self.llm_outputs = LLM_OUTPUTS[:2] + ["batch_index"] + [n for n in LLM_OUTPUTS[2:]
+                                                                if n in self.output_names and n != "batch_index"]
         self._threads = set()
         self._lock = threading.Lock()
         pb_utils.Logger.log_info(
@@ -325,6 +336,12 @@ class TritonPythonModel:
             self._speculative(request, sender, pre, draft_n, streaming)
             return
         tensors = self._llm_inputs(request, pre, streaming)
+        if not streaming and batch > 1:  # each item answers on its own (batch_index), as the backend sends them
+            for response in self._generate(self.llm, tensors):
+                tokens, lengths = _output(response, "output_ids"), _output(response, "sequence_length")
+                self._send(sender, self._response(self._postprocess(tokens, lengths), response), final=False)
+            self._send(sender, None, final=True)
+            return
         if not streaming:
             final = None
             for response in self._generate(self.llm, tensors):
@@ -353,17 +370,22 @@ class TritonPythonModel:
                 self._send(sender, None, final=True)
                 return
             tokens, lengths = _output(response, "output_ids"), _output(response, "sequence_length")
-            for b in range(batch):
-                acc[b].extend(int(t) for t in tokens[b, 0, : int(lengths[b, 0])])
+            items = _items(response, batch)
+            for row, b in enumerate(items):
+                acc[b].extend(int(t) for t in tokens[row, 0, : int(lengths[row, 0])])
             texts = self._accumulated_text(acc)
             pieces = []
-            for b in range(batch):
+            for b in items:
                 piece, sent[b] = self._piece(texts[b], sent[b], final=False)
                 pieces.append([piece])
             self._send(sender, self._response(pieces, response), final=False)
         texts = self._accumulated_text(acc)
-        rest = [text_delta(texts[b], sent[b], final=True)[0] for b in range(batch)]
-        if any(rest):  # a character still held back (the output ended inside it): send what there is
+        rest = [b for b in range(batch) if text_delta(texts[b], sent[b], final=True)[0]]
+        if rest and batch > 1:  # characters held back at the end: each item's rest on its own, with its index
+            for b in rest:
+                piece = [[self._piece(texts[b], sent[b], final=True)[0]]]
+                self._send(sender, self._response(piece, None, batch_index=b), final=False)
+        elif rest:  # a character still held back (the output ended inside it): send what there is
             pieces = [[self._piece(texts[b], sent[b], final=True)[0]] for b in range(batch)]
             self._send(sender, self._response(pieces, None), final=True)
             return
@@ -471,10 +493,12 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn(f"tensorrt_llm_bls: could not stop {model} request {request_id}: {err}")
 
     # ------------------------------------------------------------------ responses
-    def _response(self, texts, llm_response):
+    def _response(self, texts, llm_response, batch_index=None):
         """text_output (flat: batch x beams strings, as upstream) + the declared outputs the model returned."""
         data = np.array([t.encode("utf-8") for row in texts for t in row], dtype=np.object_)
         tensors = [pb_utils.Tensor("text_output", data)]
+        if batch_index is not None and "batch_index" in self.output_names:
+            tensors.append(pb_utils.Tensor("batch_index", np.array([[batch_index]], dtype=np.int32)))
         if llm_response is not None:
             for name in LLM_OUTPUTS[2:]:
                 value = _output(llm_response, name) if name in self.output_names else None

@@ -318,7 +318,9 @@ class ReferenceLLM:
     def generate_async(self, inputs, sampling_params=None, streaming=False):
         params = sampling_params or SamplingParams()
         handle = RequestHandle(inputs, params, streaming, asyncio.get_running_loop())
-        ids = self.tokenizer.encode(inputs, add_special_tokens=True).ids
+        # a prompt is text, or token ids (as the LLM API takes them; Dynamo's frontend tokenizes and sends ids)
+        ids = ([int(i) for i in inputs] if isinstance(inputs, (list, tuple))
+               else self.tokenizer.encode(inputs, add_special_tokens=True).ids)
         # the PyTorch backend's own checks (LLM._check_arguments; its tests match "should not exceed max_num_tokens")
         if self.max_num_tokens and len(ids) > self.max_num_tokens:
             raise ReferenceError(f"The sum of prompt length ({len(ids)}), query length (0) should not exceed "

@@ -31,6 +31,11 @@ TensorRT-LLM ignores them for decoder-only models. ``return_num_input_tokens``/`
 add ``num_input_tokens`` (prompt tokens) and ``num_output_tokens`` (tokens in this response: the new ones
 when streaming) to every response.
 
+Batches. A request of batch > 1 is answered as upstream's tensorrtllm backend answers it (tensorrtllm_backend
+c2e65b8, inflight_batcher_llm/src/model_instance_state.cc): each item's responses on their own (output_ids
+[1, 1, L], sequence_length [1, 1]) with ``batch_index`` [[i]] when the client asks for it; an item's last response
+is final only for the last item to end; a model that is not decoupled refuses batch > 1, as upstream's does.
+
 Other behaviour. The end id is not part of the output (as in TensorRT-LLM); generation stops after a
 ``stop_words_list`` sequence, which is kept. ``exclude_input_in_output`` (request input, else the parameter,
 else false) drops the prompt from non-streaming outputs; streaming responses carry only new tokens. A
@@ -41,8 +46,18 @@ driven by tensorrt_llm_bls): the model generates at most len(draft)+1 tokens and
 that differs from the draft, returning the accepted draft tokens plus its own next token, which is what
 TensorRT-LLM's verification returns (it runs them as decode steps, so there is no speed-up here).
 Cancellation: a request whose client cancelled (``request.is_cancelled()``, polled every
-``cancellation_check_period_ms``) or that a ``stop`` request names by request id (upstream's mechanism,
+``cancellation_check_period_ms`` under the lock every response send takes, and only for requests that have not
+sent their final response: the llmapi model's discipline) or that a ``stop`` request names by request id (upstream's mechanism,
 used by tensorrt_llm_bls) is cancelled in the manager, freeing its KV blocks.
+
+Prompt scoring (kiln's extension of the contract, for the OpenAI server's ``echo``/loglikelihood requests): an
+optional input ``return_prompt_log_probs`` BOOL[1]; when true, the request is answered at once, without
+generating, with ``prompt_log_probs`` FP32[n] (entry j: log-prob of prompt token j given the tokens before it;
+entry 0 is 0, it has no context), ``prompt_top_ids`` INT32[n+1] and ``prompt_top_log_probs`` FP32[n+1] (entry j:
+the argmax token of the distribution predicting position j and its log-prob; entry 0 is -1 / 0, entry n is the
+greedy next token). transformers' continuous-batching manager exposes only the last position's logits, so a
+second copy of the same model (same weights, ModelOpt state and dtype), loaded on the first such request, runs one
+plain forward over the prompt: only these 3 x n numbers leave the model, never the context logits.
 
 Parameters (config.pbtxt, strings): ``model_dir`` (required), ``modelopt_state`` (file in model_dir,
 default ``modelopt_state.pth``; ``none`` loads the unquantized model), ``dtype`` (float32|bfloat16|float16,
@@ -304,6 +319,7 @@ class Sequence:
     tokens: list = field(default_factory=list)
     streamed: int = 0
     done: bool = False
+    item_final: bool = False  # per-item responses: this item's last response was sent
 
     def update(self, generated, finished):
         """Take the manager's tokens so far; apply end id, draft verification and stop words. Returns done."""
@@ -337,6 +353,8 @@ class Job:
     seqs: list
     want_counts: tuple = (False, False)  # return_num_input_tokens, return_num_output_tokens
     triton_id: str = ""
+    per_item: bool = False  # batch > 1 (decoupled): one response stream per batch item, each with batch_index
+    want_index: bool = False  # batch_index requested (upstream sends it only when batch > 1)
     started: float = field(default_factory=time.monotonic)
     finished: bool = False
 
@@ -353,6 +371,15 @@ def _scalars(request, name, batch_size, cast, *aliases):
                 raise RequestError(f"{key} must hold one value per batch item ({batch_size}), got {array.shape}")
             return [cast(v) for v in flat]
     return [None] * batch_size
+
+
+def _requested(request, name):
+    """Whether the client asked for output ``name`` (every output when the stub cannot say)."""
+    try:
+        names = request.requested_output_names()
+    except Exception:
+        return True
+    return not names or name in names
 
 
 def _request_id(request):
@@ -394,7 +421,11 @@ class TritonPythonModel:
         self.tokenizer = self._load_tokenizer(s.tokenizer_dir)
         self.sampler = KilnSampler()
         self.mgr = self._start_manager(s)
-        self._lock = threading.Lock()
+        # Guards the job tables and every response send: a final response releases the request (and its response
+        # factory), and is_cancelled() on a released request can crash the stub or the server (seen with the
+        # llmapi model), so the cancellation poll and the sends exclude each other and the poll only asks jobs
+        # that have not sent their final response. Re-entrant: a cancellation found by the poll finishes the job.
+        self._lock = threading.RLock()
         self._jobs = {}  # id(job) -> job
         self._by_rid = {}  # manager request id -> (job, sequence)
         self._stop = threading.Event()
@@ -470,6 +501,10 @@ class TritonPythonModel:
                     continue
                 if self._broken is not None:
                     raise RequestError(f"the reference runtime failed and cannot serve: {self._broken}")
+                score = input_array(request, "return_prompt_log_probs")
+                if score is not None and np.asarray(score).any():
+                    self._score(request, sender)
+                    continue
                 job = self._parse(request, sender)
                 self._submit(job)
             except RequestError as err:
@@ -496,6 +531,9 @@ class TritonPythonModel:
         end_ids = _scalars(request, "end_id", batch, int)
         pad_ids = _scalars(request, "pad_id", batch, int)
         streaming = any(v for v in _scalars(request, "streaming", batch, bool) if v)
+        if batch > 1 and not s.decoupled:  # upstream's C++ backend refuses it too (inflight_batcher_llm/src/utils.cc)
+            raise RequestError("Batch size > 1 requires the tensorrt_llm backend to be using decoupled transaction "
+                               "policy")
         if streaming and not s.decoupled:
             raise RequestError("streaming needs the model's config.pbtxt to set model_transaction_policy.decoupled")
         exclude = _scalars(request, "exclude_input_in_output", batch, bool)[0]
@@ -567,7 +605,52 @@ class TritonPythonModel:
         counts = tuple(requested(input_array(request, n), "true")
                        for n in ("return_num_input_tokens", "return_num_output_tokens"))
         return Job(request, sender, streaming, bool(exclude), want_logprobs, seqs, triton_id=_request_id(request),
-                   want_counts=counts)
+                   want_counts=counts, per_item=batch > 1, want_index=batch > 1 and _requested(request, "batch_index"))
+
+    def _score(self, request, sender):
+        """Prompt scoring (module docstring): one forward of a second, unmanaged copy of the model."""
+        ids = input_array(request, "input_ids")
+        if ids is None:
+            raise RequestError("input_ids is missing")
+        ids = np.asarray(ids)
+        ids = ids[None] if ids.ndim == 1 else ids.reshape(ids.shape[0], -1)
+        if ids.shape[0] != 1:
+            raise RequestError(f"return_prompt_log_probs scores one prompt per request, got a batch of {ids.shape[0]}")
+        n = _scalars(request, "input_lengths", 1, int)[0]
+        prompt = [int(t) for t in ids[0, : ids.shape[1] if n is None else n]]
+        if not prompt:
+            raise RequestError("input_ids is empty: nothing to score")
+        self._check_ids(prompt, "input_ids")
+        self._check_fits(len(prompt), 1, 0)
+        if getattr(self, "_scorer", None) is None:
+            from transformers import AutoModelForCausalLM
+
+            s = self.settings
+            scorer = AutoModelForCausalLM.from_pretrained(s.model_dir, dtype=_DTYPES[s.dtype], attn_implementation="sdpa")
+            scorer.eval()
+            if s.state_file:
+                import modelopt.torch.opt as mto
+
+                mto.restore(scorer, s.state_file)
+            self._scorer = scorer
+        with torch.no_grad():
+            x = torch.tensor([prompt])
+            logits = self._scorer(x, attention_mask=torch.ones_like(x)).logits[0].float()
+        lp = torch.log_softmax(logits, dim=-1)  # row j: the distribution of token j+1
+        top_lp, top_ids = lp.max(dim=-1)
+        rows = torch.arange(len(prompt) - 1)
+        chosen = [0.0] + lp[rows, torch.tensor(prompt[1:], dtype=torch.long)].tolist()
+        names = self.settings.output_names
+        values = {
+            "prompt_log_probs": np.array([chosen], dtype=np.float32),
+            "prompt_top_ids": np.array([[-1] + top_ids.tolist()], dtype=np.int32),
+            "prompt_top_log_probs": np.array([[0.0] + top_lp.tolist()], dtype=np.float32),
+        }
+        missing = [k for k in values if k not in names]
+        if missing:
+            raise RequestError(f"return_prompt_log_probs: this model's config.pbtxt does not declare {missing}")
+        response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in values.items()])
+        self._send(sender, response, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _biases(self, array, batch):
         """Per batch item, the embedding_bias [vocab] tensor, or None (absent or empty: no bias)."""
@@ -682,7 +765,9 @@ class TritonPythonModel:
             self.mgr.cancel_request(seq.rid)  # stopped early (stop word, draft mismatch): free its KV blocks
         if seq.done:
             self._release(seq)
-        if job.streaming:
+        if job.per_item:
+            self._send_item(job, seq)
+        elif job.streaming:
             self._send_stream(job)
         elif all(x.done for x in job.seqs):
             self._finish(job, self._response(job, final=True))
@@ -715,15 +800,51 @@ class TritonPythonModel:
         if final:
             self._finish(job, response)
         else:
-            self._send(job.sender, response, 0)
+            self._send_job(job, response)
+
+    def _send_item(self, job, seq):
+        """Batch > 1, as upstream's backend answers it: each item's responses on their own ([1, 1, L] output_ids,
+        ``batch_index`` [[i]] when asked for); an item's last response is final only for the last item to end."""
+        if seq.item_final:
+            return
+        i = job.seqs.index(seq)
+        if job.streaming:
+            n = self._releasable(seq)
+            if not n and not seq.done:
+                return
+            response = self._response(job, final=seq.done, counts={i: n})
+            seq.streamed += n
+        elif seq.done:
+            response = self._response(job, final=True, counts={i: None})
+        else:
+            return
+        if not seq.done:
+            self._send_job(job, response)
+            return
+        with self._lock:
+            seq.item_final = True
+            if all(x.item_final for x in job.seqs):
+                self._finish(job, response)
+            else:
+                self._send_job(job, response)
+
+    def _send_job(self, job, response):
+        """A non-final response, unless the job has finished (a cancellation may have sent its final one)."""
+        with self._lock:
+            if not job.finished:
+                self._send(job.sender, response, 0)
 
     def _response(self, job, final, counts=None):
         """output_ids [batch, 1, L], sequence_length [batch, 1] (+ log-prob outputs when asked for and declared).
 
         ``counts`` (streaming): send each sequence's next ``counts[i]`` unsent tokens; otherwise the whole output.
         """
+        items = sorted(counts) if isinstance(counts, dict) else range(len(job.seqs))  # dict: one batch item
+        seqs = [job.seqs[i] for i in items]
+        if isinstance(counts, dict):
+            counts = [counts[i] for i in items] if counts[items[0]] is not None else None
         rows, lps = [], []
-        for i, seq in enumerate(job.seqs):
+        for i, seq in enumerate(seqs):
             if counts is not None:
                 start, stop = seq.streamed, seq.streamed + counts[i]
                 rows.append(seq.tokens[start:stop])
@@ -733,7 +854,7 @@ class TritonPythonModel:
                 lps.append(seq.sampling.logprobs[: len(seq.tokens)])
         width = max([len(r) for r in rows] + [1 if counts is None else 0])
         out = np.empty((len(rows), 1, width), dtype=np.int32)
-        for i, (row, seq) in enumerate(zip(rows, job.seqs)):
+        for i, (row, seq) in enumerate(zip(rows, seqs)):
             out[i, 0, :] = seq.pad_id
             out[i, 0, : len(row)] = row
         tensors = [
@@ -741,14 +862,16 @@ class TritonPythonModel:
             pb_utils.Tensor("sequence_length", np.array([[len(r)] for r in rows], dtype=np.int32)),
         ]
         names = self.settings.output_names
+        if job.per_item and job.want_index and "batch_index" in names:
+            tensors.append(pb_utils.Tensor("batch_index", np.array([[items[0]]], dtype=np.int32)))
         if job.want_counts[0] and "num_input_tokens" in names:
-            prompt_lens = np.array([[len(seq.prompt)] for seq in job.seqs], dtype=np.int32)
+            prompt_lens = np.array([[len(seq.prompt)] for seq in seqs], dtype=np.int32)
             tensors.append(pb_utils.Tensor("num_input_tokens", prompt_lens))
         if job.want_counts[1] and "num_output_tokens" in names:  # tokens in this response (streaming: new ones)
-            sent = [counts[i] if counts is not None else len(seq.tokens) for i, seq in enumerate(job.seqs)]
+            sent = [counts[i] if counts is not None else len(seq.tokens) for i, seq in enumerate(seqs)]
             tensors.append(pb_utils.Tensor("num_output_tokens", np.array([[n] for n in sent], dtype=np.int32)))
         if job.want_logprobs and "cum_log_probs" in names:
-            cum = np.array([[float(sum(seq.sampling.logprobs[: len(seq.tokens)]))] for seq in job.seqs], np.float32)
+            cum = np.array([[float(sum(seq.sampling.logprobs[: len(seq.tokens)]))] for seq in seqs], np.float32)
             tensors.append(pb_utils.Tensor("cum_log_probs", cum))
         if job.want_logprobs and "output_log_probs" in names:
             lp_width = max([len(x) for x in lps] + [0])
@@ -759,16 +882,14 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def _finish(self, job, response):
+        """Send the job's final response once, under the lock (see self._lock)."""
         with self._lock:
             if job.finished:
                 return
             job.finished = True
             self._jobs.pop(id(job), None)
-        for seq in job.seqs:
-            self._release(seq)
-        if response is None:
-            self._send(job.sender, None, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        else:
+            for seq in job.seqs:
+                self._release(seq)
             self._send(job.sender, response, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _fail_job(self, job, message):
@@ -781,21 +902,22 @@ class TritonPythonModel:
                 return
             job.finished = True
             self._jobs.pop(id(job), None)
-        for seq in job.seqs:
-            self._release(seq)
-        self._send_error(job.sender, message)
+            for seq in job.seqs:
+                self._release(seq)
+            self._send_error(job.sender, message)
 
     def _check_cancelled(self):
-        with self._lock:
-            jobs = list(self._jobs.values())
-        for job in jobs:
-            try:
-                cancelled = job.request.is_cancelled()
-            except Exception:
-                cancelled = False
-            if cancelled:
-                pb_utils.Logger.log_info("tensorrt_llm (reference): request cancelled by the client")
-                self._cancel_job(job)
+        with self._lock:  # no final response can be sent while the poll asks (see self._lock)
+            for job in list(self._jobs.values()):
+                if job.finished:
+                    continue
+                try:
+                    cancelled = job.request.is_cancelled()
+                except Exception:
+                    cancelled = False
+                if cancelled:
+                    pb_utils.Logger.log_info("tensorrt_llm (reference): request cancelled by the client")
+                    self._cancel_job(job)
 
     def _check_manager(self):
         error = getattr(self.mgr, "fatal_error", None)
