@@ -58,6 +58,7 @@ SPECS = {
     "engine": _spec("engine", ("engine",), after=("quantize",)),
     "package": _spec("package", ("serving", "engine"), after=("engine", "evaluate"),
                      output_dir=lambda loaded, root: root / loaded.recipe.name),
+    "tasks": _spec("tasks", ("evaluation",), after=("package",)),
 }
 
 
@@ -111,8 +112,8 @@ def test_a_fresh_runner_pulls_the_shared_steps_instead_of_running_them(recipe_fi
     b = build(recipe_file, tmp_path / "b")
     assert b.failure is None
     assert statuses(b) == {"resolve": "ran", "quantize": "pulled", "evaluate": "pulled", "engine": "pulled",
-                           "package": "pulled"}
-    assert CALLS == ["resolve"]
+                           "package": "pulled", "tasks": "ran"}
+    assert CALLS == ["resolve", "tasks"]
     src, dst = tmp_path / "a" / "build" / "pipe" / "quantize", tmp_path / "b" / "build" / "pipe" / "quantize"
     for f in ("out.txt", "checkpoint/weights.bin", "checkpoint/empty"):
         assert (dst / f).read_bytes() == (src / f).read_bytes()
@@ -330,7 +331,8 @@ def test_the_package_entry_is_the_digest_its_deploy_files_were_given(recipe_file
     b = build(recipe_file, tmp_path / "b", "cache.pull=false")  # built again: another start time, another digest
     second = seen[-1]
     assert second.tag == first.tag and second.digest != first.digest
-    assert b.outcomes[-1].pushed_to.endswith("@" + second.digest)
+    package = next(o for o in b.outcomes if o.name == "package")
+    assert package.pushed_to.endswith("@" + second.digest)
     assert remote.registry.get_manifest(second.digest)[1] == second.digest
     assert remote.registry.get_manifest(first.tag)[1] == first.digest  # the tag stays where it was
     c = build(recipe_file, tmp_path / "c")

@@ -116,7 +116,7 @@ def test_runner_b_pulls_instead_of_quantizing_and_packages_the_same_repository(r
     assert b.returncode == 0, b.stderr
     summary = json.loads(b.stdout)
     assert statuses(summary) == {"resolve": "ran", "quantize": "pulled", "evaluate": "pulled", "engine": "pulled",
-                                 "package": "pulled"}
+                                 "package": "pulled", "tasks": "ran"}
     assert "calibrating" not in b.stderr and "quality:" not in b.stderr  # no quantize or evaluate step ran
     gates = {g["name"]: g["status"] for g in summary["steps"][2]["gates"]}
     assert gates == {"perplexity increase": "passed", "mean KL divergence": "off"}  # checked on pulled figures

@@ -452,7 +452,7 @@ def init_container(pull: RepoPull) -> dict[str, Any]:
         "image": pull.init_image,
         "command": pull.command(),
         "env": [{"name": "HOME", "value": "/tmp"}, {"name": "DOCKER_CONFIG", "value": REGISTRY_AUTH_MOUNT}],
-        "resources": INIT_RESOURCES,
+        "resources": {kind: dict(values) for kind, values in INIT_RESOURCES.items()},  # a copy per pod
         "volumeMounts": [{"name": "model-repo", "mountPath": INIT_MOUNT},
                          {"name": "registry-auth", "mountPath": REGISTRY_AUTH_MOUNT, "readOnly": True}],
         "securityContext": container_security_context(),
