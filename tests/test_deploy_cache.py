@@ -159,7 +159,7 @@ def test_the_init_command_pulls_the_package_entry_and_it_serves_the_same_text(de
     from kiln.pipeline.remote import RemoteCache
     from kiln.pipeline.runner import schedule
     from kiln.serve.client import generate_http
-    from kiln.serve.server import ServerConfig, TritonServer, free_port
+    from kiln.serve.server import free_port
     from kiln.util.artifacts import read_manifest
 
     loaded, layout, repo = default_build
@@ -209,10 +209,19 @@ def test_the_init_command_pulls_the_package_entry_and_it_serves_the_same_text(de
     finally:
         registry.stop()
 
-    cfg = ServerConfig(repo=pulled, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    # `kiln serve` on the pulled folder (a real tritonserver, detached), then `kiln stop`
+    http = free_port()
+    serve = [sys.executable, "-m", "kiln", "serve", str(pulled), "--background", "--http-port", str(http),
+             "--grpc-port", str(free_port()), "--metrics-port", str(free_port()), "--timeout", "240"]
+    work = tmp_path / "serve"
+    work.mkdir()
+    started = subprocess.run(serve, cwd=work, capture_output=True, text=True, timeout=300)
     prompt = "The quick brown fox"
-    with TritonServer(cfg) as server:
-        served = generate_http(server.urls()["http"], prompt, 16)
+    try:
+        assert started.returncode == 0, started.stderr
+        served = generate_http(f"http://127.0.0.1:{http}", prompt, 16)
+    finally:
+        subprocess.run([sys.executable, "-m", "kiln", "stop", str(pulled)], cwd=work, capture_output=True, timeout=120)
     assert served == generate_http(default_server.urls()["http"], prompt, 16)
     assert json.loads((pulled / "kiln.json").read_text())["fingerprint"] == p.fingerprint
 
