@@ -193,19 +193,22 @@ class CountingProxy:
         self._server.close()
 
 
+_RAW = requests.Session()
+
+
 def raw_push(host: str, repository: str, tag: str, manifest: bytes, blobs: list[bytes]) -> requests.Response:
     """Push ``blobs`` and then ``manifest`` under ``tag`` with plain OCI distribution requests (no kiln code): how
     a hostile or foreign client would write an entry. Returns the manifest PUT's response (201 when stored)."""
     base = f"http://{host}/v2/{repository}"
     for blob in blobs:
         digest = "sha256:" + hashlib.sha256(blob).hexdigest()
-        if requests.head(f"{base}/blobs/{digest}", timeout=10).status_code == 200:
+        if _RAW.head(f"{base}/blobs/{digest}", timeout=10).status_code == 200:
             continue
-        start = requests.post(f"{base}/blobs/uploads/", timeout=10)
+        start = _RAW.post(f"{base}/blobs/uploads/", timeout=10)
         start.raise_for_status()
         location = urljoin(start.url, start.headers["Location"])
         sep = "&" if "?" in location else "?"
-        requests.put(f"{location}{sep}digest={digest}", data=blob, timeout=10,
-                     headers={"Content-Type": "application/octet-stream"}).raise_for_status()
-    return requests.put(f"{base}/manifests/{tag}", data=manifest, timeout=10,
-                        headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
+        _RAW.put(f"{location}{sep}digest={digest}", data=blob, timeout=10,
+                 headers={"Content-Type": "application/octet-stream"}).raise_for_status()
+    return _RAW.put(f"{base}/manifests/{tag}", data=manifest, timeout=10,
+                    headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"})

@@ -25,7 +25,7 @@ from urllib.parse import parse_qs, quote, quote_plus, urlsplit
 import pytest
 
 from kiln.cache.credentials import Credentials
-from kiln.cache.errors import AuthError, CacheError, DigestMismatch, UnreachableError
+from kiln.cache.errors import AuthError, CacheError, UnreachableError
 from kiln.cache.reference import parse_cache_url
 from kiln.cache.registry import Registry
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -288,14 +287,14 @@ def _read(path: Path, offset: int, size: int) -> bytes:
         return fh.read(size)
 
 
-def _build_against(real, tmp_path: Path, repository: str, required: bool = False):
+def _build_against(real, tmp_path: Path, repository: str, required: bool = False, push: bool = False):
     from tests.test_remote_cache import SPECS
 
     reg = real[0]
     tmp_path.mkdir(parents=True, exist_ok=True)
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"name: pipe\ntarget: reference\nquantization:\n  format: int8_sq\n"
-                      f"cache:\n  remote: {reg.url(repository)}\n  share: [quantize]\n  push: false\n")
+                      f"cache:\n  remote: {reg.url(repository)}\n  share: [quantize]\n  push: {str(push).lower()}\n")
     text = io.StringIO()
     console = Console(file=text, width=400)
     loaded = load_recipe(recipe)
@@ -307,7 +306,7 @@ def _build_against(real, tmp_path: Path, repository: str, required: bool = False
     return summary, text.getvalue()
 
 
-REAL_CASES = [case for case in HOSTILE if case not in ("dot-segment", "reserved-part", "negative-offset")]
+REAL_CASES = list(HOSTILE)
 
 
 @needs_registry
@@ -317,14 +316,18 @@ def test_hostile_entries_pushed_by_a_raw_client_are_refused_and_built_here(real,
     monkeypatch.setattr(runner, "load_steps", lambda: dict(SPECS))
     reg, fingerprint, manifest, config, blobs = real
     tag = tag_for("quantize", fingerprint)
-    sound_body, sound_config = _forge(manifest, config, lambda m, c: None)
-    assert raw_push(reg.host, "hostile/sound", tag, sound_body, [*blobs, sound_config]).status_code == 201
-    summary, _ = _build_against(real, tmp_path / "sound", "hostile/sound")
-    assert {o.name: o.status.value for o in summary.outcomes}["quantize"] == "pulled"  # the forge is sound
-    # Every case through the remote cache's pull, as the runner calls it, into an empty temporary directory.
-    loaded = load_recipe(tmp_path / "sound" / "r.yaml")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: pipe\ntarget: reference\nquantization:\n  format: int8_sq\n")
+    loaded = load_recipe(recipe)
     step = next(p for p in runner.schedule(loaded, runner.Layout(tmp_path / "build")) if p.spec.name == "quantize")
     assert step.fingerprint == fingerprint
+    # The forge itself is sound: unmutated, the entry pulls.
+    sound_body, sound_config = _forge(manifest, config, lambda m, c: None)
+    assert raw_push(reg.host, "hostile/sound", tag, sound_body, [*blobs, sound_config]).status_code == 201
+    (tmp_path / "sound").mkdir()
+    assert RemoteCache(reg.url("hostile/sound"), loaded.recipe.cache, console=Console(file=io.StringIO()),
+                       progress=False).pull(step, tmp_path / "sound", loaded) is not None
+    # Every case through the remote cache's pull, as the runner calls it, into an empty temporary directory.
     for case in REAL_CASES:
         mutate, message = HOSTILE[case]
         body, config_raw = _forge(manifest, config, mutate)
@@ -351,6 +354,15 @@ def test_hostile_entries_pushed_by_a_raw_client_are_refused_and_built_here(real,
     assert "pulled" not in read_manifest(quantize)
     assert [p for p in tmp_path.rglob("escaped.txt")] == []
     assert [p.name for p in quantize.parent.iterdir() if ".tmp" in p.name] == []
+    # With push on, the output built here replaces the refused entry, and the next runner pulls it.
+    summary, log = _build_against(real, tmp_path / "heal", "hostile/dotdot", push=True)
+    assert {o.name: o.status.value for o in summary.outcomes}["quantize"] == "ran"
+    assert "building it here and pushing it over that entry" in log
+    assert [o.name for o in summary.outcomes if o.pushed_to] == ["quantize"]
+    summary, log = _build_against(real, tmp_path / "healed", "hostile/dotdot")
+    assert {o.name: o.status.value for o in summary.outcomes}["quantize"] == "pulled", log
+    hostile_body, hostile_config = _forge(manifest, config, HOSTILE["dotdot"][0])  # the hostile entry again
+    assert raw_push(reg.host, "hostile/dotdot", tag, hostile_body, [*blobs, hostile_config]).status_code == 201
     required, _ = _build_against(real, tmp_path / "required", "hostile/dotdot", required=True)
     assert required.failure is not None and "--cache-required" in str(required.failure)
     assert "is not a plain relative path" in str(required.failure)

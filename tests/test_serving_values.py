@@ -7,9 +7,10 @@ and with every row's value changed) with kiln's own writers (repository, deploy 
 each file back with a parser (protobuf text format, JSON, YAML, the shell command line) and asserts the file says
 the recipe's value in both builds, so a file that hard-codes a value (or ignores the recipe) fails.
 
-Layouts: ``ensemble`` (target tensorrt: five Triton models, kiln.json, deploy/<recipe>/) and ``llmapi`` (target
-pytorch with serving.llmapi_runtime tensorrt_llm: tensorrt_llm/config.pbtxt, model.yaml, kiln.json, deploy files
-and deploy/<recipe>/trtllm-serve/).
+Layouts: ``ensemble`` (target tensorrt: five Triton models, kiln.json, deploy/<recipe>/), ``llmapi`` (target
+pytorch with serving.llmapi_runtime tensorrt_llm: tensorrt_llm/config.pbtxt, model.yaml, kiln.json, deploy files,
+deploy/<recipe>/trtllm-serve/ and deploy/<recipe>/dynamo/) and ``reference`` (the default recipe tiny-llama, target
+reference: the same five models with kiln's CPU runtime as tensorrt_llm, kiln.json; no deploy files).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from kiln.triton.repository import write_repository
 from tests.test_repository import make_inputs, tokenizer_dir  # noqa: F401 - shared fixture
 
 RECIPE = configs_dir() / "llama-3.1-8b" / "fp8.yaml"
-LAYOUTS = {"ensemble": [], "llmapi": ["target=pytorch", "serving.llmapi_runtime=tensorrt_llm"]}
+LAYOUTS = {"ensemble": [], "llmapi": ["target=pytorch", "serving.llmapi_runtime=tensorrt_llm"], "reference": []}
+RECIPES = {"ensemble": RECIPE, "llmapi": RECIPE, "reference": configs_dir() / "tiny-llama.yaml"}  # the CPU one
 
 
 # ------------------------------------------------------------------------------------------------ reading files
@@ -154,8 +156,9 @@ def ports(key: str, cli: str, port_name: str) -> Row:
             c for d in f.yaml("dynamo/k8s/graph-aggregated.yaml", "deploy") if d["kind"] == "DynamoGraphDeployment"
             for c in d["spec"]["components"] if c["name"] == "Frontend")["podTemplate"]["spec"]["containers"][0]
             ["command"], "--http-port")), text)
+    local = {k: v for k, v in files.items() if k.startswith("kiln.json")}  # kiln serve's command; no deploy files
     return Row({"http_port": 18100, "grpc_port": 18101, "metrics_port": 18102}[key],
-               {"ensemble": files, "llmapi": llmapi})
+               {"ensemble": files, "llmapi": llmapi, "reference": local})
 
 
 def llm_arg(*path: str, expect: Expect = same) -> dict[str, tuple[Reader, Expect]]:
@@ -279,6 +282,32 @@ ROWS: dict[str, Row] = {
 }
 
 
+NO_SWITCH = "kiln's CPU runtime has no such setting: the parameter is the tensorrtllm backend's (GPU)"
+NO_DEPLOY = "package writes no deploy files for the CPU reference target (kiln serve runs it here)"
+#: The reference layout: what kiln's CPU runtime and its repository carry (readers as for the ensemble), or why not.
+REFERENCE: dict[str, Any] = {
+    "batching": NO_SWITCH, "scheduler_policy": NO_SWITCH, "kv_cache_free_gpu_mem_fraction": NO_SWITCH,
+    "kv_cache_host_memory_bytes": NO_SWITCH, "enable_chunked_context": NO_SWITCH,
+    "gpu_device_ids": "the CPU runtime uses no GPU", "cuda_graphs": "the CPU runtime has no CUDA graphs (kiln validate "
+    "warns)", "llmapi_runtime": "target pytorch only: it picks what serves the llmapi model",
+    "multinode_image": NO_DEPLOY, "openai_sidecar": NO_DEPLOY, "openai_image": NO_DEPLOY,
+    "dynamo_workers": NO_DEPLOY, "dynamo_prefill_workers": NO_DEPLOY, "dynamo_decode_workers": NO_DEPLOY,
+    "max_tokens_in_paged_kv_cache": {"tensorrt_llm/config.pbtxt": pbtxt("tensorrt_llm", "max_tokens_in_paged_kv_cache")},
+    "cpu_threads": {"tensorrt_llm/config.pbtxt": pbtxt("tensorrt_llm", "num_threads")},
+    "openai_port": {"kiln.json serving": ROWS["openai_port"].carried["llmapi"]["kiln.json serving"]},
+    "openai_model": {"kiln.json serving": ROWS["openai_model"].carried["llmapi"]["kiln.json serving"]},
+    **{key: ROWS[key].carried["ensemble"] for key in (
+        "enable_kv_cache_reuse", "streaming", "exclude_input_in_output", "max_queue_delay_microseconds",
+        "preprocessing_instances", "postprocessing_instances", "bls_instances", "add_special_tokens",
+        "skip_special_tokens")},
+}
+for _key, _entry in REFERENCE.items():
+    if isinstance(_entry, str):
+        ROWS[_key].not_carried["reference"] = _entry
+    else:
+        ROWS[_key].carried["reference"] = _entry
+
+
 def _default_openai_image() -> str:
     from kiln.triton.deploy.openai_sidecar import default_image
 
@@ -301,12 +330,12 @@ def package(layout: str, overrides: list[str], tmp: Path, tokenizer: Path) -> tu
     from kiln.triton.deploy import DeployInfo, write_deploy_files
     from kiln.triton.llmapi_repository import write_llmapi_repository, write_trtllm_serve_files
 
-    recipe = load_recipe(RECIPE, LAYOUTS[layout] + overrides).recipe
+    recipe = load_recipe(RECIPES[layout], LAYOUTS[layout] + overrides).recipe
     deploy = tmp / "deploy"
     deploy.mkdir(parents=True)
     repo = tmp / "repo" / recipe.name
     repo.mkdir(parents=True)
-    if layout == "ensemble":
+    if layout != "llmapi":
         info = write_repository(make_inputs(recipe, tmp / "inputs", tokenizer, "1.2.1"), repo, 4096)
     else:
         ckpt = tmp / "checkpoint"
@@ -334,7 +363,8 @@ def packaged(tmp_path_factory, tokenizer_dir):  # noqa: F811
         out[layout, "changed"] = package(layout, shared, tmp_path_factory.mktemp(f"{layout}-changed"), tokenizer_dir)
         for key, row in ROWS.items():
             if layout in row.carried and row.alone is not None:
-                extra = [f"{k}={v}" for k, v in row.alone.items()]
+                extra = [f"{k}={v}" for k, v in row.alone.items()  # serving.llmapi_runtime is target pytorch's
+                         if layout == "llmapi" or k != "serving.llmapi_runtime"]
                 out[layout, key] = package(layout, extra + [_set(key, row.value)],
                                            tmp_path_factory.mktemp(f"{layout}-{key}"), tokenizer_dir)
     return out

@@ -199,28 +199,35 @@ def test_recipe_keys_match_by_whole_dotted_segments():
     assert select(flat, ["engine"], ignore=["engine"]) == {}
 
 
+TRT = ["target=tensorrt", "quantization.format=fp8", "hardware.gpu=H100"]
+
+
+@pytest.fixture(scope="module")
+def trt_fingerprints(tmp_path_factory) -> dict[str, str]:
+    """The tensorrt target's fingerprints per step (they do not depend on what is stored)."""
+    layout = runner.Layout(tmp_path_factory.mktemp("trt") / "build")
+    return {p.spec.name: p.fingerprint for p in runner.schedule(load_recipe(RECIPE, TRT), layout)}
+
+
 @pytest.mark.parametrize("override", ["engine_runtime.shm_size=8g", "engine_runtime.container_engine=podman",
                                       "engine_runtime.gpus=0,1"])
-def test_engine_runtime_keys_that_cannot_change_an_output_rerun_nothing(built, override):
+def test_engine_runtime_keys_that_cannot_change_an_output_rerun_nothing(built, trt_fingerprints, override):
     """Shared memory, the container engine and the GPUs the container sees change how a job runs, not what it
     makes: nothing reruns (with the reference target, whose steps do not run in the engine runtime at all, and
     with the tensorrt target, whose quantize, evaluate and engine do)."""
     assert rerun(built, override) == []
-    trt = ["target=tensorrt", "quantization.format=fp8", "hardware.gpu=H100"]
-    before = {p.spec.name: p.fingerprint for p in runner.schedule(load_recipe(RECIPE, trt), built)}
-    after = {p.spec.name: p.fingerprint for p in runner.schedule(load_recipe(RECIPE, [*trt, override]), built)}
-    assert after == before
+    after = {p.spec.name: p.fingerprint for p in runner.schedule(load_recipe(RECIPE, [*TRT, override]), built)}
+    assert after == trt_fingerprints
 
 
 @pytest.mark.parametrize("override", ["engine_runtime.trtllm_version=1.1.0", "engine_runtime.kind=local",
                                       "engine_runtime.image=nvcr.io/nvidia/tritonserver:26.05-trtllm-python-py3"])
-def test_engine_runtime_keys_that_pick_the_tensorrt_llm_rerun_what_runs_in_it(built, override):
+def test_engine_runtime_keys_that_pick_the_tensorrt_llm_rerun_what_runs_in_it(built, trt_fingerprints, override):
     """Another TensorRT-LLM (a version, an image, a local interpreter) re-quantizes, re-evaluates and rebuilds the
     engine of the tensorrt target (all three run in it), then repackages; the reference target runs none of them
     there, so nothing reruns."""
-    trt = ["target=tensorrt", "quantization.format=fp8", "hardware.gpu=H100"]
-    before = {p.spec.name: p.fingerprint for p in runner.schedule(load_recipe(RECIPE, trt), built)}
-    after = {p.spec.name: p.fingerprint for p in runner.schedule(load_recipe(RECIPE, [*trt, override]), built)}
+    before = trt_fingerprints
+    after = {p.spec.name: p.fingerprint for p in runner.schedule(load_recipe(RECIPE, [*TRT, override]), built)}
     assert [s for s in before if before[s] != after[s]] == ["quantize", "evaluate", "engine", "package"]
     assert rerun(built, override) == []
 
@@ -259,8 +266,7 @@ def test_a_changed_external_draft_recipe_reruns_only_package(tmp_path):
     recipe.write_text(RECIPE.read_text())
     draft = tmp_path / "draft.yaml"
     draft.write_text(RECIPE.read_text().replace("name: tiny-llama", "name: tiny-draft"))
-    spec = ["target=tensorrt", "quantization.format=fp8", "hardware.gpu=H100",
-            "engine.speculative.mode=draft_tokens_external", "engine.speculative.draft_recipe=draft.yaml",
+    spec = [*TRT, "engine.speculative.mode=draft_tokens_external", "engine.speculative.draft_recipe=draft.yaml",
             "engine.speculative.max_draft_len=4"]
     layout = runner.Layout(tmp_path / "build", tmp_path / "triton_repo")
     before = {p.spec.name: p.fingerprint for p in runner.schedule(load_recipe(recipe, spec), layout)}

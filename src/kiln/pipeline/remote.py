@@ -97,6 +97,8 @@ class RemoteCache:
         self.warnings: list[str] = []
         self._corrupt: dict[str, str] = {}
         """step → a blob of its entry whose bytes did not match its digest this run."""
+        self._refused: set[str] = set()
+        """Steps whose entry was refused this run as not a sound kiln entry (BadArtifact): pushed over."""
 
     @classmethod
     def for_recipe(cls, loaded: LoadedRecipe, required: bool = False, console: Optional[Console] = None,
@@ -172,7 +174,10 @@ class RemoteCache:
             _empty(tmp)
             if isinstance(exc, DigestMismatch):
                 self._corrupt[name] = exc.digest
-            self._fail(exc, f"pulling {name}", "building it here")
+            elif isinstance(exc, BadArtifact):
+                self._refused.add(name)
+            self._fail(exc, f"pulling {name}", "building it here" + (
+                " and pushing it over that entry" if name in self._refused and self.section.push else ""))
             return None
         self.console.print(f"  [cyan]↓[/] {name}: {transfer.describe('pulled')} from {self.ref}", highlight=False)
         built = entry.config
@@ -234,7 +239,8 @@ class RemoteCache:
         tag = tag_for(name, p.fingerprint)
         pinned = name in PINNED_STEPS
         try:
-            found = self.registry.get_manifest(tag)
+            # An entry refused this run is replaced by this sound output (same fingerprint, so the same tag).
+            found = None if name in self._refused else self.registry.get_manifest(tag)
             reference = tag
             if found is not None:
                 if not pinned:
