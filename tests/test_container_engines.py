@@ -7,6 +7,7 @@ the argv, and podman's rootless answer comes from a STAND-IN `podman` that print
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -85,3 +86,15 @@ def test_every_rule_names_its_source_lines() -> None:
     for rule in data["rules"]:
         src = data["sources"][rule["source"]]
         assert src["repo"] and src["path"] and len(src["commit"]) == 40 and src["lines"].strip(), rule["id"]
+
+
+def test_dry_run_under_podman_shows_no_shm_size_with_host_ipc(kiln, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 20's acceptance: `kiln build <recipe> --dry-run --set engine_runtime.container_engine=podman`."""
+    recipe = str(Path(__file__).resolve().parents[1] / "configs" / "llama-3.1-8b" / "fp8.yaml")
+    result = kiln("build", recipe, "--dry-run", "--set", "engine_runtime.container_engine=podman")
+    runs = [line for line in result.output.splitlines() if "podman run" in line]
+    assert len(runs) == 3, result.output  # quantize, evaluate, trtllm-build
+    for line in runs:
+        assert "--ipc=host" in line and "--shm-size" not in line
+        if shutil.which("podman") is None:  # no podman to ask: root means rootful
+            assert ("--userns keep-id" in line) == (os.geteuid() != 0)

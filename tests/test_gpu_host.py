@@ -68,3 +68,11 @@ def test_the_disk_budget_counts_every_file_the_run_writes(tmp_path: Path, monkey
     (problem,) = preflight._disk_problems(loaded, steps, tmp_path / "build")
     assert "this run writes about" in problem and "has 25.0 GiB free" in problem
     assert "the base model's log-probabilities" in problem and "the engine 9.3 GiB" in problem
+
+
+def test_preflight_refuses_a_model_the_workers_cannot_hold_on_the_recipes_gpus() -> None:
+    fits = load_recipe(REPO_ROOT / "configs" / "llama-3.1-70b" / "fp8-tp4.yaml")
+    assert preflight._worker_memory_problems(fits, ["quantize", "evaluate", "engine"]) == []
+    one = load_recipe(REPO_ROOT / "configs" / "llama-3.1-70b" / "fp8-tp4.yaml", ["parallelism.tp=1", "hardware.count=1"])
+    (problem,) = preflight._worker_memory_problems(one, ["quantize", "evaluate"])
+    assert "does not fit: 131.4 GiB unquantized (bfloat16) over 1 GPU(s)" in problem and "hardware.count" in problem

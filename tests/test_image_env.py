@@ -250,3 +250,21 @@ def test_evaluate_in_the_image_env(hub_build) -> None:
     assert any("/kiln/workers/evaluate.py" in a for a in s.runs())
     result = json.loads((root / "build" / "tiny-llama" / "evaluate" / "job" / "evaluate.result.json").read_text())
     assert result["tokens"] > 0 and result["kl"] >= 0 and result["restore_error"] <= 1e-3
+
+
+def test_the_workers_hold_one_model_and_save_no_weight_copy_in_the_image_env(hub_build) -> None:
+    """Issue 20 defects 4 and 5 under ModelOpt 0.37 (no extra build: the hub build's own jobs). Evaluate scored the
+    base model, kept its log-probabilities on the scratch disk (removed after), then the quantized one: one model at a
+    time. The weight-only fake-quant state holds ModelOpt's state and the quantizers' tensors, not mto.save's copy of
+    every weight."""
+    root, _, _, run = hub_build
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    build = root / "build" / "tiny-llama"
+    result = json.loads((build / "evaluate" / "job" / "evaluate.result.json").read_text())
+    assert result["models_at_once"] == 1 and result["base_logprob_bytes"] > 0
+    assert not (build / "evaluate" / "base_logprobs").exists()
+    ckpt = build / "quantize" / "checkpoint"
+    weights = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+    assert weights > 0 and (ckpt / "modelopt_state.pth").stat().st_size < 0.1 * weights
+    report = json.loads((build / "quantize" / "job" / "quantize.result.json").read_text())
+    assert report["state"]["unchanged_weights"] > 0 and report["state"]["bytes"] < 0.1 * weights

@@ -107,18 +107,17 @@ def test_quantizer_state_holds_no_copy_of_unchanged_weights(default_build, worke
     before = worker_io.weight_fingerprints(model)
     model = mtq.quantize(model, getattr(mtq, preset), forward_loop=lambda m: m(input_ids=ids))
     held = worker_io.save_quantizer_state(model, tmp_path / "state.pth", before)
-    mto.save(model, tmp_path / "full.pth")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     linear = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
                  if isinstance(m, torch.nn.Linear) and "lm_head" not in type(m).__name__.lower())
-    full = (tmp_path / "full.pth").stat().st_size
     state = (tmp_path / "state.pth").stat().st_size
-    assert full > weights  # what mto.save writes: every weight again
     if preset == "FP8_DEFAULT_CFG":
+        mto.save(model, tmp_path / "full.pth")
+        assert (tmp_path / "full.pth").stat().st_size > weights  # what mto.save writes: every weight again
         assert held["unchanged_weights"] == len(list(model.named_parameters(remove_duplicate=False)))
         assert state < 0.1 * weights, (state, weights)
     else:
-        assert 0 < held["unchanged_weights"] and state < full and held["bytes"] <= linear + 0.1 * weights
+        assert 0 < held["unchanged_weights"] and state < 0.6 * weights and held["bytes"] <= linear + 0.1 * weights
     with torch.no_grad():
         want = model(input_ids=ids).logits
         restored = worker_io.restore_quantizer_state(worker_io.load_model(job, "cpu"), tmp_path / "state.pth")
@@ -157,7 +156,9 @@ def test_workers_spread_the_model_over_the_recipes_gpus(workers, monkeypatch: py
 
 @pytest.mark.parametrize("path", shipped_recipes(), ids=recipe_id)
 def test_every_shipped_recipes_workers_fit_its_gpus(path: Path) -> None:
-    loaded = load_recipe(path, ["hardware.gpu=H100-SXM"] if path.name == "tiny-llama.yaml" else [])
+    loaded = load_recipe(path)
+    if loaded.recipe.hardware.gpu is None:  # the CPU recipes: plan them on an H100
+        loaded = load_recipe(path, ["hardware.gpu=H100-SXM"])
     plan = plan_for(loaded)
     workers = recipe_worker_memory(loaded, plan)
     assert workers.fits, workers.verdict()

@@ -68,6 +68,7 @@ def check(loaded: LoadedRecipe, steps: list[str], build_root: Path) -> list[str]
     if in_runtime:
         problems += _gpu_problems(recipe, in_runtime)
         problems += _driver_problems(recipe)
+        problems += _worker_memory_problems(loaded, in_runtime)
         problems += engine_runtime_for(recipe, build_root).problems()
     problems += _disk_problems(loaded, steps, build_root)
     problems += _token_problems(recipe, steps)
@@ -115,6 +116,21 @@ def _driver_problems(recipe: Recipe) -> list[str]:
     return [f"this machine's NVIDIA driver is {have}, and {image} (CUDA {row.cuda or '?'}) needs driver "
             f"{row.min_driver} or later (kiln's container table, trtllm_containers.json): update the driver, or set "
             "engine_runtime.image / engine_runtime.trtllm_version to an image whose CUDA this driver runs"]
+
+
+def _worker_memory_problems(loaded: LoadedRecipe, in_runtime: list[str]) -> list[str]:
+    """The workers' memory on the recipe's GPUs (kiln.plan.workers): the unquantized model, one copy at a time,
+    spread over hardware.count GPUs (tp × pp when unset). Nothing to say when kiln cannot plan the recipe."""
+    if not {"quantize", "evaluate"} & set(in_runtime):
+        return []
+    from kiln.plan import PlanError, plan_for
+    from kiln.plan.workers import recipe_worker_memory
+
+    try:
+        workers = recipe_worker_memory(loaded, plan_for(loaded))
+    except PlanError:
+        return []
+    return [] if workers.fits else [f"the quantize/evaluate workers' model {workers.verdict()}"]
 
 
 def _device(path: Path) -> tuple[Path, int]:

@@ -125,6 +125,7 @@ def quantize_job_file(recipe: Recipe, paths: Mapping[str, str], samples: int, dt
         "modelopt_state": f"{out}/{CHECKPOINT_DIR}/{MODELOPT_STATE}", "restore_check": f"{out}/{RESTORE_CHECK}",
         "result": f"{out}/job/quantize.result.json",
         "qformat": fmt.trtllm_qformat, "kv_cache_dtype": kv.trtllm_kv_cache_dtype, "kv_preset": kv.modelopt_config,
+        "kv_num_bits": kv.modelopt_num_bits,
         "calib_size": samples, "batch_size": q.calibration.batch_size,
         "calib_max_seq_length": q.calibration.max_seq_len, "awq_block_size": q.awq_block_size,
         "tp_size": recipe.parallelism.tp, "pp_size": recipe.parallelism.pp, "seed": q.calibration.seed,

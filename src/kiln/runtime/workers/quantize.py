@@ -49,9 +49,33 @@ def disable_patterns(config, patterns):
     return config
 
 
+def kv_entries(mtq, job):
+    """The KV-cache quantizer entries of the job's preset, with the job's bit width where it sets one."""
+    entries = copy.deepcopy(getattr(mtq, job["kv_preset"])["quant_cfg"])
+    bits = job.get("kv_num_bits")
+    if bits is None:
+        return entries
+
+    def with_bits(attrs):
+        return {**attrs, "num_bits": bits} if isinstance(attrs, dict) and "num_bits" in attrs else attrs
+
+    if isinstance(entries, dict):
+        return {k: with_bits(v) for k, v in entries.items() if k != "default"}
+    return [{**e, "cfg": with_bits(e["cfg"])} if "cfg" in e else e for e in entries]
+
+
 def adjust(config, job):
-    """The recipe's choices on top of the config TensorRT-LLM picked for the format."""
+    """The recipe's choices on top of the config TensorRT-LLM picked for the format.
+
+    An INT8 KV cache also gets ModelOpt's own KV-cache quantizers (the registry's preset at 8 bits: the attention's
+    ``k_bmm_quantizer``/``v_bmm_quantizer``). TensorRT-LLM 1.2.1's ``KV_CACHE_CFG`` enables only the K/V projections'
+    output quantizers, and ModelOpt 0.37's TensorRT-LLM export reads the KV-cache dtype and scales from the bmm
+    quantizers alone: without them the checkpoint says no KV-cache quantization (kv_cache_quant_algo null)."""
     config = copy.deepcopy(config)
+    if job.get("kv_cache_dtype") == "int8" and job.get("kv_preset"):
+        import modelopt.torch.quantization as mtq
+
+        config = merge_entries(config, kv_entries(mtq, job))
     alpha = job.get("smoothquant_alpha")
     algorithm = config.get("algorithm")
     if alpha is not None and (algorithm == "smoothquant" or
@@ -72,13 +96,25 @@ def per_channel_int4(config):
 
 
 def merge_entries(config, entries):
-    """Add KV-cache quantizer entries to a config, in either shape (as quantize_and_export does)."""
+    """Add KV-cache quantizer entries to a config, in the config's own shape (as quantize_and_export does).
+
+    ``entries`` is a flat dict of quantizer patterns (ModelOpt 0.37's presets' shape, and TensorRT-LLM 1.2.1's
+    ``KV_CACHE_CFG``) or a list of entries (ModelOpt >= 0.39); a flat dict is turned into entries for a list config."""
     config = copy.deepcopy(config)
     base = config.get("quant_cfg")
+    if isinstance(entries, dict) and isinstance(entries.get("quant_cfg"), (dict, list)):
+        raise SystemExit("merge_entries takes the quantizer patterns, not a whole config (its 'quant_cfg')")
     if isinstance(base, dict) and isinstance(entries, dict):
         base.update({k: v for k, v in entries.items() if k != "default"})
     elif isinstance(base, list) and isinstance(entries, list):
         base.extend(e for e in entries if e.get("quantizer_name") != "*")
+    elif isinstance(base, list) and isinstance(entries, dict):
+        for name, attrs in entries.items():
+            if name == "default":
+                continue
+            attrs = dict(attrs)
+            enable = attrs.pop("enable", True)
+            base.append({"quantizer_name": name, **({"cfg": attrs} if attrs else {}), "enable": enable})
     else:
         raise SystemExit("the runtime's ModelOpt mixes config shapes; kiln supports nvidia-modelopt 0.37 to 0.47")
     return config
@@ -137,7 +173,7 @@ def fake_quant_state(job, quantize, device):
     elif job["kv_cache_dtype"]:
         from tensorrt_llm.quantization.quantize_by_modelopt import KV_CACHE_CFG
 
-        config = merge_entries(config, KV_CACHE_CFG["quant_cfg"])  # what quantize_and_export uses for int8
+        config = merge_entries(config, KV_CACHE_CFG)  # what quantize_and_export uses for int8: 1.2.1's flat dict
     free_memory()  # quantize_and_export's model is gone: one model on the GPUs at a time
     model = load_model(job, device)
     tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])

@@ -64,9 +64,12 @@ KV_QUANT_CFG_CHOICES = {"fp8": "FP8_KV_CFG", "nvfp4": "NVFP4_KV_CFG"}
 def quant_cfg_choices():
     import modelopt.torch.quantization as mtq
 
+    empty = EMPTY_CFG
+    if isinstance(mtq.INT8_SMOOTHQUANT_CFG["quant_cfg"], list):  # ModelOpt >= 0.39 (stand-in only, see above)
+        empty = {"quant_cfg": [{"quantizer_name": "*", "enable": False}], "algorithm": "max"}
     choices = {"int8_sq": mtq.INT8_SMOOTHQUANT_CFG, "fp8": mtq.FP8_DEFAULT_CFG,
                "fp8_pc_pt": mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG, "int4_awq": mtq.INT4_AWQ_CFG,
-               "w4a8_awq": mtq.W4A8_AWQ_BETA_CFG, "int8_wo": EMPTY_CFG, "int4_wo": EMPTY_CFG, "full_prec": EMPTY_CFG}
+               "w4a8_awq": mtq.W4A8_AWQ_BETA_CFG, "int8_wo": empty, "int4_wo": empty, "full_prec": empty}
     if hasattr(mtq, "NVFP4_DEFAULT_CFG"):
         choices["nvfp4"] = mtq.NVFP4_DEFAULT_CFG
     return choices
