@@ -148,3 +148,39 @@ def test_a_broken_manifest_fails_validation(written, break_it, expected) -> None
     break_it(broken)
     problems = validate_graph_deployment(broken, kubernetes_versions=("1.30",))
     assert any(expected in p for p in problems), problems
+
+
+def _disagg(written) -> dict:
+    out, _ = written
+    return list(yaml.safe_load_all((out / "dynamo" / "k8s" / "graph-disaggregated.yaml").read_text()))[1]
+
+
+def test_the_v1beta1_rules_the_outline_keeps(written) -> None:
+    """Dynamo 1.6.1 writes planner and epp components too (the outline used to refuse them); names are unique
+    case-insensitively, at most one epp, at most 25 components (the v1beta1 types' rules)."""
+    graph = _disagg(written)
+    planner = copy.deepcopy(graph)
+    planner["spec"]["components"][2]["type"] = "planner"
+    assert validate_graph_deployment(planner, kubernetes_versions=("1.30",)) == []
+    twice = copy.deepcopy(graph)
+    twice["spec"]["components"][2]["name"] = "PREFILL"
+    assert validate_graph_deployment(twice, kubernetes_versions=("1.30",)) == [
+        "DynamoGraphDeployment: spec.components: name 'prefill' appears twice (names must be unique "
+        "case-insensitively)"]
+    epp = copy.deepcopy(graph)
+    for comp in epp["spec"]["components"][1:]:
+        comp["type"] = "epp"
+    assert "at most one component may have type epp" in " ".join(
+        validate_graph_deployment(epp, kubernetes_versions=("1.30",)))
+    many = copy.deepcopy(graph)
+    many["spec"]["components"] = [dict(graph["spec"]["components"][1], name=f"w{i}") for i in range(26)]
+    assert any("spec.components: " in p and "is too long" in p
+               for p in validate_graph_deployment(many, kubernetes_versions=("1.30",)))
+
+
+def test_the_data_says_the_stored_crd_is_not_1_6_1s() -> None:
+    from kiln.triton.deploy.dynamo import dynamo_data
+
+    crd = dynamo_data()["sources"]["crd"]
+    assert crd["commit"] == "967e177cc5754a5c26c038744fd02f435600954c"
+    assert crd["note"].startswith("NOT the 1.6.1 CRD") and "v1alpha1" in crd["note"]

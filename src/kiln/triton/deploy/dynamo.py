@@ -21,9 +21,10 @@ arguments) and the recipe:
 
 The object builders are one function per object (:func:`frontend_component`, :func:`worker_component`,
 :func:`options_configmap`, :func:`graph_deployment`) so later steps (init containers, plan-based sizing) can extend
-them. :func:`validate_graph_deployment` checks an object offline against the pinned structure of the chosen Dynamo
-release (``kiln/triton/data/dynamo/dynamo-<version>.yaml``, with its source) and each pod template against
-Kubernetes' own PodTemplateSpec schema (strict).
+them. :func:`validate_graph_deployment` checks an object offline against an outline of the chosen Dynamo release's
+v1beta1 structure (``kiln/triton/data/dynamo/dynamo-<version>.yaml``, with its sources; not the CRD itself: the only
+stored CRDs are v1alpha1-only, see the data file) and each pod template against Kubernetes' own PodTemplateSpec
+schema (strict).
 """
 
 from __future__ import annotations
@@ -260,8 +261,11 @@ def validate_graph_deployment(doc: Any, where: str = "DynamoGraphDeployment",
     if problems or not isinstance(doc, dict):
         return problems
     versions = tuple(kubernetes_versions or default_kubernetes_versions())
-    names = [c["name"] for c in doc["spec"]["components"]]
-    problems += [f"{where}: spec.components: name {n!r} appears twice" for n in set(names) if names.count(n) > 1]
+    names = [c["name"].lower() for c in doc["spec"]["components"]]  # v1beta1: unique case-insensitively
+    problems += [f"{where}: spec.components: name {n!r} appears twice (names must be unique case-insensitively)"
+                 for n in sorted(set(names)) if names.count(n) > 1]
+    if sum(c["type"] == "epp" for c in doc["spec"]["components"]) > 1:
+        problems.append(f"{where}: spec.components: at most one component may have type epp")
     for i, comp in enumerate(doc["spec"]["components"]):
         at = f"{where}: spec.components.{i} ({comp['name']})"
         template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": k8s_name(comp["name"])},
