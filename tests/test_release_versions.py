@@ -100,3 +100,15 @@ def test_validate_refuses_a_format_the_chosen_release_does_not_run(kiln, monkeyp
     assert "use quantization.format: one of none, fp8, int4_awq, w4a8_awq" in result.output
     result = kiln("validate", RECIPE, *sets, "--set", "engine_runtime.trtllm_version=1.3.0rc29")
     assert "PyTorch backend does not run" not in result.output, result.output
+
+
+def test_lint_refuses_a_checkpoint_format_the_recorded_release_does_not_run(repo: Path, monkeypatch) -> None:
+    reg = _registry_where_1_4_drops_nvfp4()
+    monkeypatch.setattr(formats, "registry", lambda: reg)
+    (repo / "tensorrt_llm" / "1" / "checkpoint" / "hf_quant_config.json").write_text(
+        json.dumps({"quantization": {"quant_algo": "NVFP4"}}))
+    assert _errors(repo) == []  # recorded 1.3.0rc29 runs NVFP4
+    _set_version(repo, "1.4.0rc2")
+    errors = _errors(repo)
+    assert len(errors) == 1 and "the checkpoint is nvfp4: TensorRT-LLM 1.4.0rc2's PyTorch backend does not run " \
+                                   "NVFP4" in errors[0], errors
