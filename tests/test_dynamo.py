@@ -226,3 +226,25 @@ def test_kiln_checks_every_cel_rule_of_the_graph_schema_itself() -> None:
     messages = {msg for _, _, msg in cel_rules(dynamo_data()["graph_deployment"]["schema"])}
     assert messages == {"at most one component may have type epp",
                         "component names must be unique case-insensitively"}
+
+
+def test_dynamo_1_6_1s_own_graph_templates_fit_the_schema() -> None:
+    """The DynamoGraphDeployments the installed Dynamo 1.6.1 itself writes (its profiler's templates for every backend)
+    pass the graph schema kiln validates against: the outline refuses nothing upstream writes."""
+    from importlib import resources
+
+    from kiln.serve.dynamo import dynamo_available
+    from kiln.triton.deploy.crd import crd_validator
+    from kiln.triton.deploy.dynamo import dynamo_data
+
+    why = dynamo_available()
+    if why:
+        pytest.skip(why)
+    validator = crd_validator(dynamo_data()["graph_deployment"]["schema"])
+    root = resources.files("dynamo.profiler").joinpath("templates", "dgd")
+    templates = [(f"{b.name}/{t.name}", yaml.safe_load(t.read_text())) for b in root.iterdir() if b.is_dir()
+                 for t in b.iterdir() if t.name.endswith(".yaml")]
+    assert len(templates) >= 6
+    for name, doc in templates:
+        assert doc["apiVersion"] == dynamo_data()["graph_deployment"]["apiVersion"], name
+        assert [e.message for e in validator.iter_errors(doc)] == [], name
