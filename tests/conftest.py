@@ -198,6 +198,33 @@ def tiny_greedy(tiny_build):
     return greedy
 
 
+# ------------------------------------------------------------------ target pytorch, built and served once
+@pytest.fixture(scope="session")
+def pytorch_build(tmp_path_factory: pytest.TempPathFactory):
+    """configs/tiny-llama.yaml with --set target=pytorch built once for the session (ModelOpt's unified checkpoint,
+    Triton's llmapi repository with kiln's CPU reference runtime): ``(loaded recipe, layout, repository)``. Shared
+    read-only by the pytorch-target tests (tests/test_pytorch_target.py, tests/test_dynamo_serve.py)."""
+    from kiln.pipeline.runner import Layout, run
+    from kiln.recipe.loader import load_recipe
+
+    root = tmp_path_factory.mktemp("pytorch")
+    layout = Layout(root / "build", root / "triton_repo")
+    loaded = load_recipe(CONFIGS / "tiny-llama.yaml", ["target=pytorch"])
+    summary = run(loaded, layout, progress=False)
+    assert summary.failure is None, summary.failure
+    return loaded, layout, layout.repo_root / loaded.recipe.name
+
+
+@pytest.fixture(scope="session")
+def pytorch_server(pytorch_build):
+    """A real tritonserver serving the session's pytorch build (the Triton llmapi path), started once."""
+    from kiln.serve.server import ServerConfig, TritonServer, free_port
+
+    cfg = ServerConfig(repo=pytorch_build[2], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    with TritonServer(cfg) as server:
+        yield server
+
+
 # ------------------------------------------------------------------ the image's Python environment (image_env)
 def pytest_report_header(config):
     from tests import image_env
@@ -227,3 +254,16 @@ def image_python() -> Path:
     if found is None:
         pytest.skip(image_env.missing_reason())
     return found
+
+
+@pytest.fixture(scope="session")
+def openai_api(tiny_server, tiny_build):
+    """kiln's OpenAI server in front of the session's tritonserver (shared by test_openai and test_openai_tools):
+    ``(base_url ending in /v1, served model name)``."""
+    from kiln.serve.openai import OpenAIConfig, OpenAIServer
+    from kiln.serve.server import free_port
+
+    _, _, repo = tiny_build
+    cfg = OpenAIConfig(triton_url=tiny_server.urls()["grpc"], repo=repo, port=free_port())
+    with OpenAIServer(cfg):
+        yield f"{cfg.url}/v1", tiny_build[0].recipe.name

@@ -587,6 +587,9 @@ def test_openai_bench_has_the_same_report(mock_server, tmp_path: Path) -> None:
                                        prompts=prompts, expected=_expected(prompts)))
         assert report.total_errors == 0, format_report(report)
         assert report.model == {"name": "mock_counts", "api": "openai", "url": url, "token_basis": "model"}
+        assert report.config["model"] == "mock_counts", "the model that ran labels the report, not 'ensemble'"
+        # the server's usage.prompt_tokens, summed (the mock reports no count and its server has no tokenizer: 0)
+        assert [lv.prompt_tokens for lv in report.levels] == [0, 0]
         for lv in report.levels:
             assert lv.completed > 3 and lv.mismatches == 0 and lv.output_tokens == lv.completed * OUT_LEN
             assert 0 < lv.ttft_p50_ms <= lv.e2e_p50_ms and lv.itl_p50_ms >= 0.9  # the mock sleeps 1 ms per token
@@ -611,5 +614,6 @@ def test_openai_bench_has_the_same_report(mock_server, tmp_path: Path) -> None:
                                        "--output-len", "4", "--out", str(tmp_path / "cli")])
         assert out.exit_code == 0, out.output
         assert "output tokens counted from: model" in out.output and (tmp_path / "cli" / "bench.json").is_file()
+        assert out.output.startswith(f"model mock_counts at {url}") and "server-counted tokens: prompt 0" in out.output
     with pytest.raises(BenchError, match="cannot reach the OpenAI-compatible server"):
         run_bench(BenchConfig(url=f"http://127.0.0.1:{free_port()}/v1", api="openai", duration_s=1))

@@ -73,8 +73,8 @@ def test_the_cache_section_is_never_part_of_a_fingerprint(tmp_path, write_recipe
     assert fps[0] == fps[1]
 
 
-def test_shareable_steps_are_the_pipelines_steps_but_package():
-    assert typing.get_args(ShareableStep) == tuple(s for s in STEP_ORDER if s != "package")
+def test_shareable_steps_are_the_pipelines_steps():
+    assert typing.get_args(ShareableStep) == tuple(STEP_ORDER)
 
 
 # ------------------------------------------------------------------------------------------ credentials

@@ -325,7 +325,11 @@ def test_plan_prints_the_tables_and_json_of_a_shipped_gpu_recipe(kiln):
     data = json.loads(as_json.output)
     loaded = load_recipe(recipe)
     expected = plan_for(loaded, "H100-SXM")
+    from kiln.plan.workers import recipe_worker_memory
+
+    workers = data.pop("workers")  # the engine-runtime workers' memory check, beside the serving plan
     assert data == json.loads(json.dumps(expected.to_dict()))  # the planner's answer, for the recipe's GPU
+    assert workers == json.loads(json.dumps(recipe_worker_memory(loaded, expected).to_dict()))
     assert data["gpu"]["name"] == "H100-SXM" and data["weights"]["format"] == "fp8"
 
     table = kiln("plan", recipe)

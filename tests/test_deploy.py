@@ -403,7 +403,9 @@ def test_leaderworkerset_fields(tmp_path: Path) -> None:
     assert leader["containers"][0]["command"] == ["bash", "/opt/kiln/leader.sh"]
     assert worker["containers"][0]["command"] == ["bash", "/opt/kiln/worker.sh"]
     for spec in (leader, worker):
-        assert spec["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": 8}}
+        resources = spec["containers"][0]["resources"]
+        assert resources["limits"]["nvidia.com/gpu"] == 8 and "nvidia.com/gpu" not in resources["requests"]
+        assert resources["requests"]["cpu"] == "18"  # 2 + 2 per GPU (kiln.plan.host)
         volumes = {v["name"]: v for v in spec["volumes"]}
         assert volumes["mpi-ssh"]["secret"]["secretName"] == dp.ssh_secret_name(info)
         assert volumes["scripts"]["configMap"]["name"].endswith("-scripts")

@@ -109,7 +109,7 @@ def test_dynamo_files_launch_script_and_graph_deployments(written) -> None:
         ("frontend", 1), ("prefill", 1), ("decode", 1)]
     decode = disagg["spec"]["components"][2]["podTemplate"]["spec"]["containers"][0]
     assert decode["command"][-2:] == ["--disaggregation-mode", "decode"]
-    assert decode["resources"]["limits"] == {"nvidia.com/gpu": 1}
+    assert decode["resources"]["limits"] == {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": 1}  # no plan given
     for graph in (agg, disagg):
         assert validate_graph_deployment(graph) == []
         for comp in graph["spec"]["components"]:
@@ -124,7 +124,7 @@ def test_the_recipe_sizes_the_graph(written) -> None:
     prefill, decode = graph["spec"]["components"][1:]
     assert (prefill["replicas"], decode["replicas"]) == (3, 2)
     worker = prefill["podTemplate"]["spec"]["containers"][0]
-    assert worker["resources"]["limits"] == {"nvidia.com/gpu": 2}
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 2
     assert worker["command"][worker["command"].index("--tensor-parallel-size") + 1] == "2"
 
 

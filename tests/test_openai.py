@@ -124,15 +124,9 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def api(tiny_server, tiny_build):
-    """kiln's OpenAI server in front of the session's tritonserver; yields (base_url, served model name)."""
-    from kiln.serve.openai import OpenAIConfig, OpenAIServer
-    from kiln.serve.server import free_port
-
-    _, _, repo = tiny_build
-    cfg = OpenAIConfig(triton_url=tiny_server.urls()["grpc"], repo=repo, port=free_port())
-    with OpenAIServer(cfg):
-        yield f"{cfg.url}/v1", tiny_build[0].recipe.name
+def api(openai_api):
+    """kiln's OpenAI server in front of the session's tritonserver (conftest's, shared); (base_url, model name)."""
+    return openai_api
 
 
 @pytest.fixture(scope="module")

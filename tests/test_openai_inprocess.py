@@ -187,3 +187,32 @@ def test_infer_and_bench_use_the_running_kiln_serves_ports(tmp_path, monkeypatch
     assert result.exit_code != 0 and "http://127.0.0.1:4/v1" in result.output, result.output
     result = kiln("infer", "hi", "--max-tokens", "1")
     assert result.exit_code != 0 and "127.0.0.1:2" in result.output, result.output
+
+
+def test_synthetic_prompts_have_input_len_tokens_of_the_served_tokenizer() -> None:
+    """A small byte-level BPE (words split into several tokens, as the tiny model's are)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from kiln.serve.bench.prompts import _WORDS, synthetic_prompts
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([" ".join(_WORDS)] * 4, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    prompts = synthetic_prompts(8, 24, seed=3, tokenizer=tok)
+    assert [len(tok.encode(p, add_special_tokens=False).ids) for p in prompts] == [24] * 8
+    assert len(set(prompts)) == 8
+    words = synthetic_prompts(8, 24, seed=3)
+    assert [len(p.split()) for p in words] == [24] * 8, "without a tokenizer: words"
+
+
+def test_continuous_usage_stats_puts_the_running_usage_in_every_chunk() -> None:
+    """vLLM's stream_options.continuous_usage_stats, which guidellm sends: honoured, not ignored."""
+    with client_for(ScriptedBackend(tokens("a", "b", "c"))) as c:
+        r = c.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 8, "stream": True,
+                                            "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    texts = [json.loads(e) for e in events(r.text)[:-1]]
+    counted = [(e["choices"][0]["text"], e["usage"]["completion_tokens"]) for e in texts if e["choices"] and
+               e["choices"][0]["text"]]
+    assert counted == [("a", 1), ("b", 2), ("c", 3)]

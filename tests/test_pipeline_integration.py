@@ -81,7 +81,7 @@ def test_unchanged_rebuild_runs_nothing_and_serving_change_only_packages(fast_bu
                    cwd=work)
     statuses = {s["name"]: s["status"] for s in json.loads(serving.stdout)["steps"]}
     assert statuses == {"resolve": "skipped", "quantize": "skipped", "evaluate": "skipped", "engine": "skipped",
-                        "package": "ran"}
+                        "package": "ran", "tasks": "ran"}  # the task gate follows its package (no tasks: a no-op)
     dry = kiln("build", RECIPE, *FAST, "--set", "quantization.calibration.seed=7", "--dry-run", cwd=work)
     assert "quantization.calibration.seed: 1234 → 7" in dry.stdout and "skip resolve" in dry.stdout.replace("  ", " ")
 

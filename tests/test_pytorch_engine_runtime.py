@@ -97,3 +97,11 @@ def test_the_gpu_repository_deploy_and_trtllm_serve_files(built) -> None:
     assert '--extra_llm_api_options "$(dirname "$0")/llm_options.yaml"' in serve
     lint = subprocess.run([sys.executable, "-m", "kiln", "lint", str(repo)], capture_output=True, text=True)
     assert lint.returncode == 0, lint.stdout + lint.stderr
+    # Dynamo: launch script and DynamoGraphDeployments (aggregated, disaggregated) that validate
+    from kiln.triton.deploy.dynamo import validate_dynamo_manifests
+
+    dynamo = deploy / "dynamo"
+    graphs = [dynamo / "k8s" / "graph-aggregated.yaml", dynamo / "k8s" / "graph-disaggregated.yaml"]
+    assert (dynamo / "launch.sh").is_file() and all(g.is_file() for g in graphs)
+    assert validate_dynamo_manifests(graphs) == []
+    assert yaml.safe_load((dynamo / "llm_options.yaml").read_text()) == options

@@ -40,17 +40,13 @@ def _build(layout: Layout, *overrides: str):
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    layout = Layout(*(tmp_path_factory.mktemp("pytorch") / d for d in ("build", "triton_repo")))
-    loaded, repo = _build(layout)
-    return loaded, layout, repo
+def built(pytorch_build):
+    return pytorch_build  # the session's one pytorch build (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def server(built):
-    cfg = ServerConfig(repo=built[2], http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-    with TritonServer(cfg) as srv:
-        yield srv
+def server(pytorch_server):
+    return pytorch_server  # the session's Triton llmapi server over it
 
 
 @pytest.fixture(scope="module")

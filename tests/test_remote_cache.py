@@ -58,6 +58,7 @@ SPECS = {
     "engine": _spec("engine", ("engine",), after=("quantize",)),
     "package": _spec("package", ("serving", "engine"), after=("engine", "evaluate"),
                      output_dir=lambda loaded, root: root / loaded.recipe.name),
+    "tasks": _spec("tasks", ("evaluation",), after=("package",)),
 }
 
 
@@ -106,13 +107,13 @@ def test_a_fresh_runner_pulls_the_shared_steps_instead_of_running_them(recipe_fi
     a = build(recipe_file, tmp_path / "a")
     assert a.failure is None and statuses(a)["quantize"] == "ran"
     pushed = {o.name: o.pushed_to for o in a.outcomes if o.pushed_to}
-    assert set(pushed) == {"quantize", "evaluate", "engine"}  # the default policy: cache.share
+    assert set(pushed) == {"quantize", "evaluate", "engine", "package"}  # the default policy: cache.share
     CALLS.clear()
     b = build(recipe_file, tmp_path / "b")
     assert b.failure is None
     assert statuses(b) == {"resolve": "ran", "quantize": "pulled", "evaluate": "pulled", "engine": "pulled",
-                           "package": "ran"}
-    assert CALLS == ["resolve", "package"]
+                           "package": "pulled", "tasks": "ran"}
+    assert CALLS == ["resolve", "tasks"]
     src, dst = tmp_path / "a" / "build" / "pipe" / "quantize", tmp_path / "b" / "build" / "pipe" / "quantize"
     for f in ("out.txt", "checkpoint/weights.bin", "checkpoint/empty"):
         assert (dst / f).read_bytes() == (src / f).read_bytes()
@@ -234,7 +235,7 @@ def test_an_up_to_date_output_the_registry_lacks_is_pushed(recipe_file, tmp_path
     build(recipe_file, tmp_path / "a", "cache.push=false")
     again = build(recipe_file, tmp_path / "a")
     assert set(statuses(again).values()) == {"skipped"}
-    assert {o.name for o in again.outcomes if o.pushed_to} == {"quantize", "evaluate", "engine"}
+    assert {o.name for o in again.outcomes if o.pushed_to} == {"quantize", "evaluate", "engine", "package"}
     # Each pushed reference names an entry the registry now holds, for this very output.
     loaded = load_recipe(recipe_file)
     remote = RemoteCache.for_recipe(loaded, progress=False, console=Console(file=open(os.devnull, "w")))
@@ -247,7 +248,7 @@ def test_an_up_to_date_output_the_registry_lacks_is_pushed(recipe_file, tmp_path
             assert entry.config["files"] == read_manifest(o.out_dir)["files"]
     CALLS.clear()
     fresh = build(recipe_file, tmp_path / "b")  # and another runner pulls them
-    assert [o.name for o in fresh.outcomes if o.status.value == "pulled"] == ["quantize", "evaluate", "engine"]
+    assert [o.name for o in fresh.outcomes if o.status.value == "pulled"] == ["quantize", "evaluate", "engine", "package"]
 
 
 def test_an_authenticated_registry_takes_the_usual_credentials_and_never_shows_them(tmp_path, monkeypatch):
@@ -271,7 +272,7 @@ def test_an_authenticated_registry_takes_the_usual_credentials_and_never_shows_t
         monkeypatch.setenv("KILN_REGISTRY_PASSWORD", secret)
         console, ok_text = recorder()
         a = build(recipe, tmp_path / "a", console=console)
-        assert {o.name for o in a.outcomes if o.pushed_to} == {"quantize", "evaluate", "engine"}
+        assert {o.name for o in a.outcomes if o.pushed_to} == {"quantize", "evaluate", "engine", "package"}
         b = build(recipe, tmp_path / "b", console=console)
         assert statuses(b)["quantize"] == "pulled"
     finally:
@@ -296,10 +297,10 @@ def test_cache_ls_push_pull_and_gc_for_people(recipe_file, tmp_path, kiln):
     layout_a = runner.Layout(tmp_path / "a" / "build", tmp_path / "a" / "repo")
     assert list_entries(remote) == []
     pushed = push_outputs(loaded, layout_a, remote)
-    assert [line.split(":")[0] for line in pushed] == ["quantize", "evaluate", "engine"]
+    assert [line.split(":")[0] for line in pushed] == ["quantize", "evaluate", "engine", "package"]
     rows = list_entries(remote, loaded, layout_a)
     assert {(r.step, r.current, r.recipe) for r in rows} == {(s, True, "pipe") for s in ("quantize", "evaluate",
-                                                                                         "engine")}
+                                                                                         "engine", "package")}
     layout_b = runner.Layout(tmp_path / "b" / "build", tmp_path / "b" / "repo")
     lines = pull_outputs(loaded, layout_b, remote, ("quantize",))
     assert lines == [f"quantize: pulled into {layout_b.build_root / 'pipe' / 'quantize'}"]
@@ -308,7 +309,32 @@ def test_cache_ls_push_pull_and_gc_for_people(recipe_file, tmp_path, kiln):
         pull_outputs(loaded, layout_b, remote, ("resolve",))
     assert gc_entries(remote, 1.0)[0] == []  # nothing is a day old
     doomed, note = gc_entries(remote, 0.0, dry_run=True)
-    assert len(doomed) == 3 and len(list_entries(remote)) == 3 and "garbage" in note
+    assert len(doomed) == 4 and len(list_entries(remote)) == 4 and "garbage" in note
     result = kiln("cache", "gc", "--older-than", "0", "--cache", loaded.recipe.cache.remote)
-    assert result.exit_code == 0 and "3 entries deleted" in result.output
+    assert result.exit_code == 0 and "4 entries deleted" in result.output
     assert list_entries(remote) == []
+
+
+def test_the_package_entry_is_the_digest_its_deploy_files_were_given(recipe_file, tmp_path, monkeypatch):
+    """The finish hook (the package step's deploy files) gets the entry by a digest computed before any push; the
+    push makes that digest exist, also when another build of the fingerprint holds the tag; a pull names the
+    pulled entry's digest."""
+    import dataclasses
+
+    seen = []
+    monkeypatch.setitem(SPECS, "package", dataclasses.replace(SPECS["package"],
+                                                              finish=lambda loaded, out, src: seen.append(src)))
+    remote = RemoteCache.for_recipe(load_recipe(recipe_file), progress=False)
+    a = build(recipe_file, tmp_path / "a")
+    first = seen[-1]
+    assert remote.registry.get_manifest(first.tag)[1] == first.digest
+    b = build(recipe_file, tmp_path / "b", "cache.pull=false")  # built again: another start time, another digest
+    second = seen[-1]
+    assert second.tag == first.tag and second.digest != first.digest
+    package = next(o for o in b.outcomes if o.name == "package")
+    assert package.pushed_to.endswith("@" + second.digest)
+    assert remote.registry.get_manifest(second.digest)[1] == second.digest
+    assert remote.registry.get_manifest(first.tag)[1] == first.digest  # the tag stays where it was
+    c = build(recipe_file, tmp_path / "c")
+    assert statuses(c)["package"] == "pulled" and seen[-1].digest == first.digest
+    assert a.failure is None and b.failure is None and c.failure is None

@@ -38,7 +38,7 @@ FAST = ["--set", "quantization.format=int8_sq", "--set", "quantization.calibrati
 # What may differ between two builds of one Triton repository: when and where it was built; in kiln.json the
 # server command, which today names the package step's temporary directory; and so the size of kiln.json that
 # the package manifest records.
-VOLATILE = {"manifest.json": (("started",), ("seconds",), ("host",), ("files", "kiln.json")),
+VOLATILE = {"manifest.json": (("started",), ("seconds",), ("host",), ("files", "kiln.json"), ("pulled",)),
             "kiln.json": (("server_command",),)}
 SENTINEL = "Sentinel-Passw0rd-4b9e1d"
 
@@ -80,7 +80,7 @@ def test_runner_a_builds_pushes_and_reports(runner_a, registry):
     jsonschema.validate(summary, json_schema(SUMMARY_SCHEMA))
     assert set(statuses(summary).values()) == {"ran"}
     pushed = {s["name"]: s["pushed_to"] for s in summary["steps"] if s["pushed_to"]}
-    assert set(pushed) == {"quantize", "evaluate", "engine"}
+    assert set(pushed) == {"quantize", "evaluate", "engine", "package"}
     assert pushed["quantize"] == f"{registry.url()}:quantize-{summary['steps'][1]['fingerprint']}"
     import xml.etree.ElementTree as ET
 
@@ -116,7 +116,7 @@ def test_runner_b_pulls_instead_of_quantizing_and_packages_the_same_repository(r
     assert b.returncode == 0, b.stderr
     summary = json.loads(b.stdout)
     assert statuses(summary) == {"resolve": "ran", "quantize": "pulled", "evaluate": "pulled", "engine": "pulled",
-                                 "package": "ran"}
+                                 "package": "pulled", "tasks": "ran"}
     assert "calibrating" not in b.stderr and "quality:" not in b.stderr  # no quantize or evaluate step ran
     gates = {g["name"]: g["status"] for g in summary["steps"][2]["gates"]}
     assert gates == {"perplexity increase": "passed", "mean KL divergence": "off"}  # checked on pulled figures
@@ -278,7 +278,7 @@ def test_an_authenticated_registry_with_credentials_from_the_usual_places(runner
         outputs += [ls.stdout, ls.stderr]
         assert ls.returncode == 0, ls.stderr
         current = {e["step"] for e in json.loads(ls.stdout)["entries"] if e["current"]}
-        assert current == {"quantize", "evaluate", "engine"}
+        assert current == {"quantize", "evaluate", "engine", "package"}
         # Wrong credentials: refused, the source named, the build falls back (or fails when required).
         wrong = env_without_credentials(KILN_REGISTRY_USERNAME="kiln", KILN_REGISTRY_PASSWORD=SENTINEL + "x")
         bad = kiln("build", *common, "--to", "resolve", "--set", "cache.share=[resolve]", cwd=tmp_path / "bad",

@@ -121,6 +121,10 @@ same: Expect = lambda v: v  # noqa: E731
 text: Expect = lambda v: None if v is None else str(v)  # noqa: E731
 
 
+PULL_ONLY = ("only in deploy files rendered with cache.remote (the init step that pulls the repository): "
+             "tests/test_deploy_cache.py")
+
+
 @dataclass
 class Row:
     value: Any  # the changed value (differs from the shipped recipe's)
@@ -279,6 +283,10 @@ ROWS: dict[str, Row] = {
         "docker-compose.yml openai": ((lambda f: f.compose()["openai"]["image"]), lambda v: v or IMAGE_DEFAULT),
         "k8s deployment openai": ((lambda f: f.container("openai")["image"]), lambda v: v or IMAGE_DEFAULT)}},
         {"llmapi": pytorch("openai_image")}),
+    # the init step exists only in deploy files rendered with a remote cache: tests/test_deploy_cache.py reads them
+    **{key: Row(value, {}, {"ensemble": PULL_ONLY, "llmapi": PULL_ONLY}) for key, value in (
+        ("init_image", "registry.example/kiln-init@sha256:" + "0" * 64), ("registry_secret", "team-registry"),
+        ("repo_cache_pvc", "kiln-repos"))},
 }
 
 
@@ -292,6 +300,7 @@ REFERENCE: dict[str, Any] = {
     "warns)", "llmapi_runtime": "target pytorch only: it picks what serves the llmapi model",
     "multinode_image": NO_DEPLOY, "openai_sidecar": NO_DEPLOY, "openai_image": NO_DEPLOY,
     "dynamo_workers": NO_DEPLOY, "dynamo_prefill_workers": NO_DEPLOY, "dynamo_decode_workers": NO_DEPLOY,
+    "init_image": NO_DEPLOY, "registry_secret": NO_DEPLOY, "repo_cache_pvc": NO_DEPLOY,
     "max_tokens_in_paged_kv_cache": {"tensorrt_llm/config.pbtxt": pbtxt("tensorrt_llm", "max_tokens_in_paged_kv_cache")},
     "cpu_threads": {"tensorrt_llm/config.pbtxt": pbtxt("tensorrt_llm", "num_threads")},
     "openai_port": {"kiln.json serving": ROWS["openai_port"].carried["llmapi"]["kiln.json serving"]},

@@ -228,7 +228,7 @@ def test_engine_runtime_keys_that_pick_the_tensorrt_llm_rerun_what_runs_in_it(bu
     there, so nothing reruns."""
     before = trt_fingerprints
     after = {p.spec.name: p.fingerprint for p in runner.schedule(load_recipe(RECIPE, [*TRT, override]), built)}
-    assert [s for s in before if before[s] != after[s]] == ["quantize", "evaluate", "engine", "package"]
+    assert [s for s in before if before[s] != after[s]] == ["quantize", "evaluate", "engine", "package", "tasks"]
     assert rerun(built, override) == []
 
 
@@ -242,12 +242,12 @@ def test_a_changed_shipped_triton_model_reruns_only_package(built, tmp_path, mon
     assert rerun(built) == []
     shipped = sorted(models.rglob("*.py"))[0]
     shipped.write_text(shipped.read_text() + "\n# a later kiln\n")
-    assert rerun(built) == ["package"]
+    assert rerun(built) == ["package", "tasks"]  # the task gate follows its package
     shipped.write_text(shipped.read_text().replace("\n# a later kiln\n", ""))
     check = tmp_path / "check_engine.py"
     check.write_text(repository.check_engine_script().read_text() + "\n# a later kiln\n")
     monkeypatch.setattr(repository, "check_engine_script", lambda: check)
-    assert rerun(built) == ["package"]
+    assert rerun(built) == ["package", "tasks"]
 
 
 def test_a_changed_chat_template_reruns_only_package(built, monkeypatch):
@@ -256,7 +256,7 @@ def test_a_changed_chat_template_reruns_only_package(built, monkeypatch):
     shipped = package.builtin_chat_template("builtin:tiny-llama")
     assert shipped  # the tiny model ships one
     monkeypatch.setattr(package, "builtin_chat_template", lambda source: shipped + "{# a later kiln #}")
-    assert rerun(built) == ["package"]
+    assert rerun(built) == ["package", "tasks"]
 
 
 def test_a_changed_external_draft_recipe_reruns_only_package(tmp_path):
@@ -272,4 +272,4 @@ def test_a_changed_external_draft_recipe_reruns_only_package(tmp_path):
     before = {p.spec.name: p.fingerprint for p in runner.schedule(load_recipe(recipe, spec), layout)}
     draft.write_text(draft.read_text().replace("samples: 32", "samples: 16", 1))
     after = {p.spec.name: p.fingerprint for p in runner.schedule(load_recipe(recipe, spec), layout)}
-    assert [s for s in before if before[s] != after[s]] == ["package"]
+    assert [s for s in before if before[s] != after[s]] == ["package", "tasks"]

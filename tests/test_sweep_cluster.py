@@ -98,7 +98,7 @@ def test_slurm_job_array_runs_each_point_as_a_task_resumes_grows_and_reports_fai
             # resolve is shared: the second task to reach it may hard-link the first one's (same fingerprint)
             assert record["steps"]["resolve"] in ("ran", "reused")
             assert {k: v for k, v in record["steps"].items() if k != "resolve"} == {
-                "quantize": "ran", "evaluate": "ran", "engine": "not run", "package": "not run"}
+                "quantize": "ran", "evaluate": "ran", "engine": "not run", "package": "not run", "tasks": "not run"}
         assert (build / "sweeps" / "fast" / "results.csv").is_file()
         assert (build / "sweeps" / "fast" / "quality_vs_size.png").stat().st_size > 1000
 

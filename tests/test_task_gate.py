@@ -300,8 +300,8 @@ def test_a_zero_threshold_where_the_models_part_fails_the_build_with_both_accura
     assert result.exit_code == 1, result.output
     quantized = (documents - parts) / documents
     assert f"exact_match 1.0000 unquantized → {quantized:.4f} quantized" in result.output
-    assert "gate is 0 points: raise evaluation.tasks[1].max_accuracy_drop_pct" in result.output
+    assert "gate is 0 points: raise evaluation.tasks[2].max_accuracy_drop_pct" in result.output
     assert "tasks     skipped" in result.output  # a threshold is re-checked on the stored figures, nothing re-runs
     suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
     failed = [c.get("name") for c in suite.iter("testcase") if c.find("failure") is not None]
-    assert failed == ["task accuracy kiln_parting_prompts (evaluation.tasks[1].max_accuracy_drop_pct)"]
+    assert failed == ["task accuracy kiln_parting_prompts (evaluation.tasks[2].max_accuracy_drop_pct)"]

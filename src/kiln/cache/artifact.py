@@ -150,13 +150,43 @@ def plan_parts(root: Path, files: dict[str, int], layer_bytes: int, meter: Meter
     return parts
 
 
-def push(reg: Registry, tag: str, root: Path, step_manifest: dict[str, Any], layer_bytes: int,
-         annotations: dict[str, str], meter: Meter = NullMeter()) -> Transfer:
-    """Push the complete output in ``root`` (its files as listed in ``step_manifest``) under ``tag``."""
-    t0 = time.monotonic()
+def _complete_files(root: Path, step_manifest: dict[str, Any]) -> dict[str, int]:
     files = step_manifest.get("files")
     if not isinstance(files, dict) or step_manifest.get("complete") is not True:
         raise BadArtifact(f"{root} is not a complete output (its manifest lists no files or is not complete)")
+    return files
+
+
+def _manifest_bytes(parts: list[Part], config: bytes, files: int, annotations: dict[str, str],
+                    created: Optional[str]) -> bytes:
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "artifactType": ARTIFACT_TYPE,
+        "config": {"mediaType": CONFIG_MEDIA, "digest": sha256_digest(config), "size": len(config)},
+        "layers": [p.descriptor() for p in parts],
+        "annotations": {**annotations, CREATED: created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                        A_BYTES: str(sum(p.size for p in parts)), A_FILES: str(files)},
+    }
+    return json.dumps(manifest, sort_keys=True).encode()
+
+
+def predict_digest(root: Path, step_manifest: dict[str, Any], layer_bytes: int, annotations: dict[str, str],
+                   created: str, meter: Meter = NullMeter()) -> str:
+    """The manifest digest :func:`push` gives this output with the same ``created`` time: a function of the
+    content alone, so files written before any push (deploy files) can name the entry by digest."""
+    files = _complete_files(root, step_manifest)
+    parts = plan_parts(root, files, layer_bytes, meter)
+    return sha256_digest(_manifest_bytes(parts, config_bytes(step_manifest), len(files), annotations, created))
+
+
+def push(reg: Registry, tag: str, root: Path, step_manifest: dict[str, Any], layer_bytes: int,
+         annotations: dict[str, str], meter: Meter = NullMeter(), created: Optional[str] = None) -> Transfer:
+    """Push the complete output in ``root`` (its files as listed in ``step_manifest``) under ``tag`` (a tag, or
+    the manifest's own digest to add it without moving a tag). ``created``: the creation annotation (default
+    now); give one to get the digest :func:`predict_digest` said."""
+    t0 = time.monotonic()
+    files = _complete_files(root, step_manifest)
     parts = plan_parts(root, files, layer_bytes, meter)
     report = Transfer(layers=len(parts))
     meter.phase("pushing", sum(p.size for p in parts))
@@ -178,16 +208,10 @@ def push(reg: Registry, tag: str, root: Path, step_manifest: dict[str, Any], lay
     config_digest = sha256_digest(config)
     if not reg.blob_exists(config_digest):
         reg.put_blob(config_digest, len(config), lambda: _BytesFile(config))
-    manifest = {
-        "schemaVersion": 2,
-        "mediaType": OCI_MANIFEST,
-        "artifactType": ARTIFACT_TYPE,
-        "config": {"mediaType": CONFIG_MEDIA, "digest": config_digest, "size": len(config)},
-        "layers": [p.descriptor() for p in parts],
-        "annotations": {**annotations, CREATED: datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                        A_BYTES: str(sum(p.size for p in parts)), A_FILES: str(len(files))},
-    }
-    report.digest = reg.put_manifest(tag, json.dumps(manifest, sort_keys=True).encode())
+    body = _manifest_bytes(parts, config, len(files), annotations, created)
+    if tag.startswith("sha256:") and sha256_digest(body) != tag:
+        raise BadArtifact(f"{root}: its manifest hashes to {sha256_digest(body)}, not {tag}: the output changed")
+    report.digest = reg.put_manifest(tag, body)
     report.seconds = time.monotonic() - t0
     return report
 

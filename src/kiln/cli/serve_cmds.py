@@ -63,12 +63,21 @@ def _prepare(target: str, overrides, build_dir: Path, repo_dir: Path):
 @click.option("--openai-port", type=int, help="Its port (default: serving.openai_port).")
 @click.option("--timeout", type=float, default=300, show_default=True, help="Seconds to wait for readiness.")
 @click.option("--state-file", type=click.Path(path_type=Path), hidden=True)
+@click.option("--stack", type=click.Choice(["triton", "dynamo"]), default="triton", show_default=True,
+              help="dynamo (target pytorch): NVIDIA Dynamo's real frontend (OpenAI API on the HTTP port) in front of "
+                   "kiln's CPU worker, a test and development vehicle (on a GPU: deploy/<recipe>/dynamo/).")
+@click.option("--workers", type=click.IntRange(1, 8), default=1, show_default=True,
+              help="--stack dynamo: kiln CPU workers behind the frontend.")
 @layout_options
 @handle_errors
 def serve(target, overrides, host, http_port, grpc_port, metrics_port, docker, background, openai, openai_port,
-          timeout, state_file, build_dir, repo_dir):
+          timeout, state_file, stack, workers, build_dir, repo_dir):
     """Serve TARGET (a recipe, built first if needed, or a packaged repository: on the host and ports its kiln.json
-    records) with a real tritonserver."""
+    records) with a real tritonserver (or, with --stack dynamo, Dynamo's frontend)."""
+    if stack == "dynamo":
+        repo, serving, _ = _prepare(target, overrides, build_dir, repo_dir)
+        _serve_dynamo(repo, serving, http_port, workers, background, timeout, state_file)
+        return
     from kiln.serve.openai import OpenAIConfig
     from kiln.serve.server import ServerConfig
     from kiln.serve.session import (check_engine_here, docker_command, run_docker, serve_foreground,
@@ -115,6 +124,41 @@ def serve(target, overrides, host, http_port, grpc_port, metrics_port, docker, b
     if state_file is None and not state_file_for(repo).exists():  # so kiln infer/bench find it (serving_urls)
         state_file = state_file_for(repo)
     sys.exit(serve_foreground(cfg, announce, state_file, timeout, openai=front))
+
+
+def _serve_dynamo(repo: Path, serving, http_port, workers, background, timeout, state_file) -> None:
+    from kiln.serve.dynamo import dynamo_available, serve_foreground, stack_for_repository
+    from kiln.serve.session import start_background, state_file_for
+
+    why = dynamo_available()
+    if why:
+        raise InputError(why)
+    port = http_port or serving.http_port  # kiln.json's serving record for a repository, else the recipe's
+    err.print("note: --stack dynamo runs NVIDIA Dynamo's real frontend in front of kiln's CPU reference runtime (a "
+              "test and development vehicle, not the fast path); on a GPU use deploy/<recipe>/dynamo/.", style="dim")
+    if background:
+        sf = state_file_for(repo)
+        argv = [sys.executable, "-m", "kiln", "serve", str(repo), "--stack", "dynamo", "--http-port", str(port),
+                "--workers", str(workers), "--timeout", str(timeout), "--state-file", str(sf)]
+        _announce_dynamo(start_background(argv, sf, sf.with_suffix(".log"), timeout), background=True)
+        return
+    try:
+        logs = (state_file or state_file_for(repo)).parent.resolve() / f"{repo.resolve().name}-dynamo-logs"
+        stack = stack_for_repository(repo, port, workers, log_dir=logs)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    stack.startup_timeout_s = timeout
+    sys.exit(serve_foreground(stack, repo, lambda state: _announce_dynamo(state, background=False), state_file))
+
+
+def _announce_dynamo(state: dict, background: bool) -> None:
+    urls = state["urls"]
+    out.print(f"ready: {state['repo']} on Dynamo (started in {state.get('startup_s') or 0:.1f}s)", markup=False)
+    out.print(f"  openai  {urls['openai']}   (POST {urls['openai']}/chat/completions, /completions; GET /models)",
+              markup=False)
+    out.print(f"  logs    {state['log']}", markup=False)
+    out.print("stop with: kiln stop" if background else "Ctrl-C to stop", markup=False)
+    sys.stdout.flush()
 
 
 def _announce(state: dict, background: bool) -> None:
@@ -178,6 +222,16 @@ def _served(serving: Optional[Path]) -> dict:
 
     return serving_urls(serving) or {"grpc": f"127.0.0.1:{DEFAULTS.grpc_port}",
                                      "http": f"http://127.0.0.1:{DEFAULTS.http_port}"}
+
+
+def _served_tokenizer(serving: Optional[Path]) -> Optional[str]:
+    """The served repository's tokenizer folder (``--serving REPO``'s, or the one running kiln serve's), if any:
+    kiln bench's --input-len then counts its tokens."""
+    from kiln.serve.session import running
+
+    repos = [Path(serving)] if serving else [Path(st["repo"]) for _, st in running() if st.get("repo")]
+    folder = repos[0] / "preprocessing" / "1" / "tokenizer" if len(repos) == 1 else None
+    return str(folder) if folder is not None and (folder / "tokenizer.json").is_file() else None
 
 
 serving_option = click.option(
@@ -247,7 +301,9 @@ def _levels(text: str) -> tuple[int, ...]:
 @click.option("--rate", type=float, help="Open-loop request rate (req/s) instead of fixed concurrency.")
 @click.option("--poisson", is_flag=True, help="With --rate: Poisson arrivals.")
 @click.option("--duration", type=float, default=20.0, show_default=True, help="Seconds per level.")
-@click.option("--input-len", type=int, default=64, show_default=True, help="Synthetic prompt length (words).")
+@click.option("--input-len", type=int, default=64, show_default=True,
+              help="Synthetic prompt length: tokens of the served model's tokenizer when bench finds the running kiln "
+                   "serve (or --serving REPO), else words.")
 @click.option("--output-len", type=int, default=32, show_default=True, help="max_tokens per request.")
 @click.option("--prompts", type=click.Path(path_type=Path, exists=True), help="Prompts file (one per line / jsonl).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("build/bench"), show_default=True,
@@ -263,6 +319,7 @@ def bench(url, serving, openai_url, model, concurrency, rate, poisson, duration,
     from kiln.serve.bench import BenchConfig, compare_with_plan, format_comparison, format_report, load_prompts, run_bench
 
     prompt_set = load_prompts(prompts) if prompts else None
+    from_record = bool(serving) or openai_url == "" or (not url and openai_url is None)
     if openai_url == "":
         urls = _served(serving)
         if "openai" not in urls:
@@ -271,12 +328,13 @@ def bench(url, serving, openai_url, model, concurrency, rate, poisson, duration,
         openai_url = urls["openai"]
     elif not url and openai_url is None:
         url = _served(serving)["grpc"]
+    tokenizer_dir = _served_tokenizer(serving) if from_record else None
     if openai_url is None and model not in ("ensemble", "tensorrt_llm_bls"):
         raise InputError(f"--model {model!r}: a Triton bench calls ensemble or tensorrt_llm_bls")
     cfg = BenchConfig(url=openai_url or url, model=model, api="openai" if openai_url else "triton",
                       concurrency=_levels(concurrency), rate=rate, poisson=poisson,
                       duration_s=duration, input_len=input_len, output_len=output_len,
-                      prompts=tuple(prompt_set.prompts) if prompt_set else None,
+                      prompts=tuple(prompt_set.prompts) if prompt_set else None, tokenizer_dir=tokenizer_dir,
                       expected=prompt_set.expected if prompt_set else None)
     report = run_bench(cfg)
     paths = report.write(out_dir)

@@ -86,15 +86,20 @@ def _nextline_items() -> list[dict]:
     return items
 
 
-_YAML = {
-    "tiny-python-nextword": """\
-# kiln built-in task (kiln.models.tasks): the next word of a line of Python standard-library source.
+#: What both built-in tasks start with: their name and their JSONL file, the test split.
+_SOURCE = """\
 task: {task}
 dataset_path: json
 dataset_kwargs:
   data_files:
     test: {data}
 test_split: test
+"""
+
+_YAML = {
+    "tiny-python-nextword": """\
+# kiln built-in task (kiln.models.tasks): the next word of a line of Python standard-library source.
+""" + _SOURCE + """\
 output_type: generate_until
 doc_to_text: "{{{{prompt}}}}"
 doc_to_target: "{{{{target}}}}"
@@ -118,12 +123,7 @@ metadata:
 """,
     "tiny-python-nextline": """\
 # kiln built-in task (kiln.models.tasks): pick the next line of Python standard-library source (loglikelihood).
-task: {task}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
+""" + _SOURCE + """\
 output_type: multiple_choice
 doc_to_text: "{{{{context}}}}"
 doc_to_choice: "{{{{choices}}}}"

@@ -97,6 +97,8 @@ def pull_outputs(loaded: LoadedRecipe, layout: Layout, remote: RemoteCache, step
                 missing.append(p.spec.name)
                 lines.append(f"{p.spec.name}: not in {remote.ref} (fingerprint {p.fingerprint[:12]}…)")
                 continue
+            if p.spec.finish is not None:  # what lives beside the output (the package step's deploy files)
+                p.spec.finish(loaded, p.out_dir, remote.entry_source(p, p.out_dir))
             lines.append(f"{p.spec.name}: pulled into {p.out_dir}")
     finally:
         lock.release()

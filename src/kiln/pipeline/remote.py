@@ -29,6 +29,7 @@ from kiln.pipeline.fingerprint import digest
 from kiln.recipe.loader import LoadedRecipe
 from kiln.recipe.schema import CacheSection
 from kiln.steps.base import StepResult
+from kiln.util.artifacts import read_manifest
 from kiln.util.errors import InputError, KilnError
 
 if TYPE_CHECKING:
@@ -40,6 +41,20 @@ ENV_URL = "KILN_REMOTE_CACHE"
 def tag_for(step: str, fingerprint: str) -> str:
     """The entry's tag: the step and its full fingerprint (a valid OCI tag: 72 characters)."""
     return f"{step}-{fingerprint}"
+
+
+#: Steps whose entry files written beside the output name by manifest digest (the package step's deploy files):
+#: their entry's creation annotation is the build's start time, so the digest is a function of the output alone.
+PINNED_STEPS = ("package",)
+
+
+@dataclass(frozen=True)
+class EntrySource:
+    """Where a step's output lives in the remote cache: the cache URL, the entry's tag and its manifest digest."""
+
+    cache: str
+    tag: str
+    digest: str
 
 
 @dataclass
@@ -190,6 +205,24 @@ class RemoteCache:
             raise BadArtifact(f"{where} lacks {', '.join(missing)}")
         return result
 
+    def entry_source(self, p: "ScheduledStep", out_dir: Path) -> Optional[EntrySource]:
+        """The entry that holds (or, once pushed, will hold) the complete output in ``out_dir``, by digest: the
+        pulled entry's, else the digest the push gives it, computed here without the registry. None when the step
+        is not shared or not pinned."""
+        name = p.spec.name
+        manifest = read_manifest(out_dir)
+        if name not in PINNED_STEPS or name not in self.section.share or manifest is None:
+            return None
+        tag = tag_for(name, p.fingerprint)
+        pulled = manifest.get("pulled") or {}
+        if pulled.get("digest"):
+            return EntrySource(str(self.ref), tag, str(pulled["digest"]))
+        return EntrySource(str(self.ref), tag, self._predict(p, out_dir, manifest))
+
+    def _predict(self, p: "ScheduledStep", out_dir: Path, manifest: dict[str, Any]) -> str:
+        return artifact.predict_digest(out_dir, manifest, self.section.layer_mb << 20,
+                                       self._annotations(p, manifest), str(manifest.get("started")))
+
     def push(self, p: "ScheduledStep", out_dir: Path, step_manifest: dict[str, Any], built_here: bool) -> Optional[str]:
         """Push a complete output unless the registry has it already; its reference, or None (not shared, already
         there, or a failure that was warned about)."""
@@ -204,13 +237,23 @@ class RemoteCache:
                       f"{tag_for(name, p.fingerprint)} and run the registry's garbage collection")
             return None
         tag = tag_for(name, p.fingerprint)
+        pinned = name in PINNED_STEPS
         try:
             # An entry refused this run is replaced by this sound output (same fingerprint, so the same tag).
-            if name not in self._refused and self.registry.get_manifest(tag) is not None:
-                return None
+            found = None if name in self._refused else self.registry.get_manifest(tag)
+            reference = tag
+            if found is not None:
+                if not pinned:
+                    return None
+                # Another build of this fingerprint holds the tag; the deploy files written here name this build's
+                # digest: add that manifest by digest (its layers are the same blobs), leaving the tag as it is.
+                reference = self._predict(p, out_dir, step_manifest)
+                if reference == found[1] or self.registry.get_manifest(reference) is not None:
+                    return None
             with self._meter(name) as meter:
-                transfer = artifact.push(self.registry, tag, out_dir, step_manifest, self.section.layer_mb << 20,
-                                         self._annotations(p, step_manifest), meter)
+                transfer = artifact.push(self.registry, reference, out_dir, step_manifest,
+                                         self.section.layer_mb << 20, self._annotations(p, step_manifest), meter,
+                                         created=str(step_manifest.get("started")) if pinned else None)
         except OSError as exc:
             self._fail(CacheError(f"reading {out_dir}: {exc.strerror or exc}"), f"pushing {name}",
                        "the output here is kept")
@@ -220,7 +263,7 @@ class RemoteCache:
                        "the output built here is kept" if built_here else "nothing changed here")
             return None
         self.console.print(f"  [cyan]↑[/] {name}: {transfer.describe('pushed')} to {self.ref}", highlight=False)
-        return self.ref.tag_ref(tag)
+        return self.ref.tag_ref(tag) if reference == tag else f"{self.ref}@{transfer.digest}"
 
     @staticmethod
     def _annotations(p: "ScheduledStep", step_manifest: dict[str, Any]) -> dict[str, str]:

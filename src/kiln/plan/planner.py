@@ -742,3 +742,18 @@ def make_plan(inputs: PlanInputs, gpu: GPUSpec, gpu_count: int | None = None,
         else:
             plan.warnings.append("no speed prediction: the plan does not fit")
     return plan
+
+
+def weight_bytes(inputs: PlanInputs) -> tuple[int, int]:
+    """The weights without a GPU: ``(whole model bytes, heaviest rank's bytes)`` with the same sharding and
+    formats as :func:`make_plan` (a weight's size does not depend on the GPU). PlanError for bad input."""
+    shape = parse_model_config(inputs.model_config)
+    problems = _validate(inputs, shape)
+    if problems:
+        raise PlanError("invalid plan inputs: " + "; ".join(problems))
+    fmt = weight_format(inputs.weight_format)
+    whole = _stage_weights(shape, inputs, fmt, 1, 0, shape.num_layers, True, True, True)
+    layout = _stage_layers(shape.num_layers, inputs.pp)
+    heaviest = max(_stage_weights(shape, inputs, fmt, inputs.tp, first, count, i == 0, i == inputs.pp - 1,
+                                  inputs.pp == 1).total for i, (first, count) in enumerate(layout))
+    return math.ceil(whole.total), math.ceil(heaviest)

@@ -291,3 +291,13 @@ def check_rules(recipe: Recipe) -> list[Problem]:
     """Run every rule; errors first, then warnings."""
     found = [p for fn in RULES for p in fn(recipe)]
     return sorted(found, key=lambda p: p.severity != "error")
+
+
+@rule
+def init_image(r: Recipe) -> Iterator[Problem]:
+    gpu_deploy = r.target == "tensorrt" or (r.target == "pytorch" and r.serving.llmapi_runtime == "tensorrt_llm")
+    if gpu_deploy and r.cache.remote and r.serving.init_image is None:
+        yield warn("serving.init_image", "the deploy files' init step, which pulls the packaged repository from "
+                   "cache.remote into each pod, runs kiln-init:<version>, an image you build and that is not pinned "
+                   "by digest", "build deploy/<recipe>/Dockerfile.init (kiln writes it), push it, and set "
+                   "serving.init_image to name@sha256:…")

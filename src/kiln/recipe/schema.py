@@ -237,7 +237,8 @@ class EvaluationSection(DataSource):
     data files. Empty: no task gate."""
 
     task_defaults: TaskDefaults = TaskDefaults()
-    """`limit`, `num_fewshot`, `max_accuracy_drop_pct` and `concurrency` for every task that does not set its own."""
+    """`limit`, `num_fewshot` and `max_accuracy_drop_pct` for every task that does not set its own, and how many
+    requests lm-eval keeps in flight."""
 
 
 class ParallelismSection(Section):
@@ -424,6 +425,37 @@ class ServingSection(Section):
     """Image of the OpenAI sidecar: one with kiln installed. Empty: `kiln-openai:<kiln version>`, built from the
     serving image with the `Dockerfile.openai` kiln writes beside the deploy files."""
 
+    init_image: Optional[str] = None
+    """Image of the deploy files' init step that pulls the packaged repository from the remote cache (cache.remote)
+    into the pod's volume: one with kiln installed. Pin it by digest (`repo/name:tag@sha256:…`): the step verifies
+    what it pulls, so its own image must be the one you checked. Empty: `kiln-init:<kiln version>`, built with the
+    `Dockerfile.init` kiln writes beside the deploy files (a warning says it is not pinned)."""
+
+    registry_secret: str = "kiln-registry"
+    """Kubernetes Secret of type kubernetes.io/dockerconfigjson (`kubectl create secret docker-registry …`) holding
+    the remote cache's credentials for the init step; mounted as its Docker config, never inlined. Optional in the
+    pod: a registry that allows anonymous pulls needs none."""
+
+    repo_cache_pvc: Optional[str] = None
+    """A PersistentVolumeClaim (ReadWriteMany) the init step pulls the repository into, one folder per manifest
+    digest, so pods on nodes that pulled it before start without pulling again. Empty: an emptyDir per pod."""
+
+    @field_validator("init_image")
+    @classmethod
+    def _init_image_pinned(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not re.fullmatch(r"[^\s@]+@sha256:[0-9a-f]{64}", v):
+            raise ValueError(f"{v!r} is not pinned by digest: give `repo/name:tag@sha256:<64 hex digits>` (the init step "
+                             "pulls and verifies the repository, so its own image must be exactly the one you checked), "
+                             "or leave it empty for kiln's Dockerfile.init")
+        return v
+
+    @field_validator("registry_secret", "repo_cache_pvc")
+    @classmethod
+    def _k8s_object_name(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*", v):
+            raise ValueError(f"{v!r} is not a Kubernetes object name (lower-case letters, digits, '-' and '.')")
+        return v
+
     dynamo_workers: Annotated[int, Field(ge=1, le=256)] = 1
     """Dynamo (target pytorch): TensorRT-LLM workers of the aggregated DynamoGraphDeployment, each tp × pp GPUs; the
     frontend's router spreads requests over them."""
@@ -480,9 +512,10 @@ class HardwareSection(Section):
     use a LeaderWorkerSet instead of a Deployment)."""
 
 
-#: Steps whose outputs the remote cache can share (not `package`: it also writes deploy files beside its
-#: directory, and it takes a second). A test keeps this equal to the pipeline's steps minus package.
-ShareableStep = Literal["resolve", "quantize", "evaluate", "engine", "tasks"]
+#: Steps whose outputs the remote cache can share: every step. The package step's entry is its Triton repository
+#: (with the engine or checkpoint it holds); its deploy files stay out and are rendered after a build or pull,
+#: naming that entry by fingerprint and manifest digest. A test keeps this equal to the pipeline's steps.
+ShareableStep = Literal["resolve", "quantize", "evaluate", "engine", "package", "tasks"]
 
 
 class CacheSection(Section):
@@ -492,10 +525,11 @@ class CacheSection(Section):
     URL` and the KILN_REMOTE_CACHE environment variable beat this. Empty: no remote cache. Credentials never go
     here: `docker login` / `oras login` / `podman login`, or KILN_REGISTRY_USERNAME and KILN_REGISTRY_PASSWORD."""
 
-    share: tuple[ShareableStep, ...] = ("quantize", "evaluate", "engine")
+    share: tuple[ShareableStep, ...] = ("quantize", "evaluate", "engine", "package")
     """Steps whose outputs are looked up before they run and pushed after: by default the expensive ones —
     calibration, the quality measurement (both models over the evaluation set; the gate is still checked on the
-    pulled figures) and the engine build."""
+    pulled figures) and the engine build — and the packaged Triton repository, which the deploy files' init
+    containers pull by digest (so a cluster needs nothing copied by hand)."""
 
     pull: bool = True
     """Look shared steps up in the remote cache and pull a hit instead of running the step."""

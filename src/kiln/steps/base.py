@@ -153,6 +153,10 @@ class StepSpec(Generic[R]):
     returns a failure message or None. Fields it reads are left out of the fingerprint."""
     gates: Optional[Callable[[Recipe, R], list[Gate]]] = None
     """The criteria behind ``check``, one by one with their figures (for reports: JUnit test cases, --json)."""
+    finish: Optional[Callable[[LoadedRecipe, Path, Any], None]] = None
+    """Called once the output is complete and in place (built, reused, pulled, or up to date), with the recipe, the
+    output directory and the remote-cache entry that holds it (``kiln.pipeline.remote.EntrySource``, or None):
+    writes what lives beside the output (the package step's deploy files). Raises KilnError to fail the step."""
     derived: Optional[Callable[[LoadedRecipe], Optional[LoadedRecipe]]] = None
     """When given and not None for the recipe: another recipe (the task gate's unquantized baseline) that the runner
     builds up to ``package`` before this step, whose package fingerprint is part of this step's, and whose package

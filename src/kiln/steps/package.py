@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Protocol
 
 from kiln.models.tiny import builtin_chat_template
 from kiln.recipe.loader import LoadedRecipe, load_recipe
@@ -19,10 +19,14 @@ from kiln.steps.engine import ENGINE_SUBDIR, EngineResult
 from kiln.steps.placement import Placement, place_draft_target
 from kiln.triton.lint import lint_repository
 from kiln.triton.repository import RepoInputs, standin_engine_config, write_repository
-from kiln.util.artifacts import atomic_dir
+from kiln.util.artifacts import atomic_dir, read_manifest
 from kiln.util.errors import InputError, KilnError
 
 CHECKPOINT = "checkpoint"  # the quantize step's HF model + ModelOpt state + tokenizer
+
+
+#: Beside the llmapi model's model.yaml: the built-in model's chat template (its tokenizer carries none).
+CHAT_TEMPLATE = "chat_template.jinja"
 
 
 def deploy_dir_for(repo_final: Path) -> Path:
@@ -49,11 +53,15 @@ def _engine_dir(recipe: Recipe, build_dir: Path, quantize_dir: Path, max_seq_len
 
 
 def _draft_loaded(ctx: StepContext) -> Optional[LoadedRecipe]:
-    r = ctx.recipe
+    return _draft_of(ctx.loaded)
+
+
+def _draft_of(loaded: LoadedRecipe) -> Optional[LoadedRecipe]:
+    r = loaded.recipe
     ref = r.engine.speculative.draft_recipe
     if r.engine.speculative.mode != "draft_tokens_external" or not ref:
         return None
-    base = ctx.loaded.path.parent if ctx.loaded.path else Path(".")
+    base = loaded.path.parent if loaded.path else Path(".")
     return load_recipe(base / ref)
 
 
@@ -105,36 +113,101 @@ def package(ctx: StepContext) -> PackageResult:
             chat_template=builtin_chat_template(r.model.source))
         with ctx.status("writing the Triton repository"):
             info = write_repository(inputs, ctx.out_dir, max_seq_len, final=ctx.final_dir)
+    _keep_empty_dirs(ctx.out_dir)
     findings = lint_repository(ctx.out_dir)
     errors = [f for f in findings if f.severity == "error"]
     if errors:
         raise KilnError("the packaged repository fails kiln lint:\n  " + "\n  ".join(f.format() for f in errors))
-    deploy_files = _write_deploy(ctx, info, placement)
+    deploy_files = deploy_dir_for(ctx.final_dir) if r.target == "tensorrt" and ctx.final_dir is not None else None
     return PackageResult(summary=f"{len(info['models'])} models, lint clean"
                          + (f", container {info['container']}" if info["container"] else ", reference runtime (CPU)"),
                          models=len(info["models"]), container=info["container"] or "",
                          deploy=str(deploy_files) if deploy_files else "")
 
 
-def _write_deploy(ctx: StepContext, info: dict, placement: Optional[Placement]) -> Optional[Path]:
-    """Deployment files for the tensorrt target (the reference target is served locally by `kiln serve`)."""
-    r = ctx.recipe
-    if r.target != "tensorrt" or ctx.final_dir is None:
-        return None
+def write_deploy(loaded: LoadedRecipe, repo: Path, source: Optional[EntrySourceLike] = None) -> Optional[Path]:
+    """The package step's ``finish``: deployment files for the packaged repository ``repo`` (the tensorrt target,
+    and target pytorch on TensorRT-LLM; the reference runtime is served locally by `kiln serve`), rendered again
+    after every build or pull. With ``source`` (the remote-cache entry holding ``repo``) the pods' init step pulls
+    it by digest; without, they mount a volume the user fills. Pods are sized from the plan."""
+    from kiln.recipe.schema import llmapi_runtime
     from kiln.triton.deploy import DeployInfo, validate_manifests, write_deploy_files
+    from kiln.triton.deploy.dynamo import DynamoDeploy, dynamo_image, image_stacks, write_dynamo_files
+    from kiln.triton.deploy.info import sizing_for
 
-    deploy = DeployInfo.from_recipe(
-        r, info["container"], hub_token_secret="hf-token" if r.model.source.startswith(HF_PREFIX) else None,
-        draft_model_name="tensorrt_llm_draft" if "tensorrt_llm_draft" in info["models"] else None,
-        orchestrator=bool(placement and placement.orchestrator),
-        orchestrator_gpus=_gpus_used(placement))
-    final = deploy_dir_for(ctx.final_dir)
+    r = loaded.recipe
+    llmapi = r.target == "pytorch"
+    if not (r.target == "tensorrt" or (llmapi and llmapi_runtime(r) == "tensorrt_llm")):
+        return None
+    info = json.loads((repo / "kiln.json").read_text(encoding="utf-8"))
+    manifest = read_manifest(repo) or {}
+    repo_bytes = sum(int(v) for v in (manifest.get("files") or {}).values())
+    hub = "hf-token" if r.model.source.startswith(HF_PREFIX) else None
+    extra: dict = {}
+    if not llmapi:
+        draft_loaded = _draft_of(loaded)
+        placement = place_draft_target(loaded, draft_loaded) if draft_loaded else None
+        extra = {"draft_model_name": "tensorrt_llm_draft" if "tensorrt_llm_draft" in info["models"] else None,
+                 "orchestrator": bool(placement and placement.orchestrator), "orchestrator_gpus": _gpus_used(placement)}
+    deploy = DeployInfo.from_recipe(r, info["container"], hub_token_secret=hub, **extra,
+                                    repo_pull=_repo_pull(loaded, info, source),
+                                    sizing=sizing_for(r, repo_bytes=repo_bytes))
+    final = deploy_dir_for(repo)
     with atomic_dir(final) as tmp:
-        written = write_deploy_files(deploy, tmp, model_repo=ctx.final_dir)
-        problems = validate_manifests([p for p in written if p.suffix in (".yaml", ".yml") and "k8s" in p.parts])
-        if problems:
-            raise KilnError("generated Kubernetes manifests do not validate:\n  " + "\n  ".join(problems))
+        # target pytorch: only the stacks the image carries (no Triton image ships TensorRT-LLM after 1.2.1:
+        # trtllm-serve and Dynamo files only); an image the table does not know gets the Triton files as before
+        stacks = image_stacks(info["container"]) if llmapi else ()
+        if not stacks or "triton-llmapi" in stacks:
+            written = write_deploy_files(deploy, tmp, model_repo=repo)
+            problems = validate_manifests([p for p in written if p.suffix in (".yaml", ".yml") and "k8s" in p.parts])
+            if problems:
+                raise KilnError("generated Kubernetes manifests do not validate:\n  " + "\n  ".join(problems))
+        if llmapi:
+            from kiln.triton.llmapi_repository import write_trtllm_serve_files
+
+            write_trtllm_serve_files(r, info, tmp)
+            image = dynamo_image(r)
+            dynamo = DynamoDeploy.from_recipe(r, image, hub, repo_pull=_repo_pull(loaded, info, source, image),
+                                              sizing=deploy.sizing)
+            try:
+                write_dynamo_files(dynamo, info["llm_args"], tmp)
+            except ValueError as err:
+                raise KilnError(str(err)) from None
     return final
+
+
+class EntrySourceLike(Protocol):
+    cache: str
+    tag: str
+    digest: str
+
+
+def _repo_pull(loaded: LoadedRecipe, info: dict, source: Optional[EntrySourceLike], dynamo_image: str = ""):
+    """How the pods fetch the repository: by digest from the remote cache, its recorded versions expected to be the
+    serving image's (kiln's container table); the init image pinned by the user or kiln's own (a warning).
+    ``dynamo_image``: for the Dynamo files, whose image loads the unified checkpoint with its own TensorRT-LLM (the
+    LLM arguments must be that version's when the table pins the recipe's version to it)."""
+    if source is None:
+        return None
+    from kiln import __version__
+    from kiln.recipe.containers import row_for
+    from kiln.triton.deploy.info import RepoPull
+
+    s = loaded.recipe.serving
+    image = info["container"]
+    expect = [f"kiln.json:fingerprint={source.tag.partition('-')[2]}"]
+    row = row_for(dynamo_image or image)
+    if dynamo_image:
+        if row is not None and row.tensorrt_llm == info.get("llm_args_version"):
+            expect.append(f"kiln.json:llm_args_version={row.tensorrt_llm}")
+    elif row is not None and loaded.recipe.target == "tensorrt":
+        expect += [f"kiln.json:container={image}", f"kiln.json:engine.tensorrt_llm={row.tensorrt_llm}",
+                   f"kiln.json:engine.tensorrt={row.tensorrt}"]
+    elif row is not None:
+        expect += [f"kiln.json:container={image}", f"kiln.json:serving_tensorrt_llm={row.tensorrt_llm}"]
+    init_image = s.init_image or f"kiln-init:{__version__}"  # not pinned: recipe rule `init_image` warns
+    return RepoPull(cache=source.cache, tag=source.tag, digest=source.digest, init_image=init_image,
+                    registry_secret=s.registry_secret, cache_pvc=s.repo_cache_pvc, expect=tuple(expect))
 
 
 def _package_llmapi(ctx: StepContext, quantize_dir: Path, max_seq_len: int) -> PackageResult:
@@ -161,37 +234,30 @@ def _package_llmapi(ctx: StepContext, quantize_dir: Path, max_seq_len: int) -> P
                                        fingerprint=ctx.fingerprint, quality=quality,
                                        draft_checkpoint=draft, image=r.engine_runtime.image,
                                        image_digest=produced.get("image_digest"))
+    template = builtin_chat_template(r.model.source)
+    if template is not None:  # the built-in model's chat template (Dynamo's frontend and kiln's worker use it)
+        (ctx.out_dir / "tensorrt_llm" / "1" / CHAT_TEMPLATE).write_text(template, encoding="utf-8")
+    _keep_empty_dirs(ctx.out_dir)
     findings = lint_repository(ctx.out_dir)
     errors = [f for f in findings if f.severity == "error"]
     if errors:
         raise KilnError("the packaged repository fails kiln lint:\n  " + "\n  ".join(f.format() for f in errors))
-    deploy = None
-    if llmapi_runtime(r) == "tensorrt_llm" and ctx.final_dir is not None:
-        from kiln.triton.deploy import DeployInfo, validate_manifests, write_deploy_files
-        from kiln.triton.deploy.dynamo import DynamoDeploy, dynamo_image, image_stacks, write_dynamo_files
-
-        hub_secret = "hf-token" if r.model.source.startswith(HF_PREFIX) else None
-        deploy = deploy_dir_for(ctx.final_dir)
-        with atomic_dir(deploy) as tmp:
-            # only the stacks the image carries: no Triton image ships TensorRT-LLM after 1.2.1 (trtllm-serve and
-            # Dynamo files only); an image the table does not know gets the Triton files as before
-            stacks = image_stacks(info["container"])
-            if not stacks or "triton-llmapi" in stacks:
-                written = write_deploy_files(DeployInfo.from_recipe(r, info["container"], hub_token_secret=hub_secret),
-                                             tmp, model_repo=ctx.final_dir)
-                problems = validate_manifests([p for p in written
-                                               if p.suffix in (".yaml", ".yml") and "k8s" in p.parts])
-                if problems:
-                    raise KilnError("generated Kubernetes manifests do not validate:\n  " + "\n  ".join(problems))
-            write_trtllm_serve_files(r, info, tmp)
-            try:
-                write_dynamo_files(DynamoDeploy.from_recipe(r, dynamo_image(r), hub_secret), info["llm_args"], tmp)
-            except ValueError as err:
-                raise KilnError(str(err)) from None
+    deploy = deploy_dir_for(ctx.final_dir) if llmapi_runtime(r) == "tensorrt_llm" and ctx.final_dir else None
     where = (f"container {info['container']}" if info["container"] else
              "CPU reference runtime (a test and development vehicle)")
     return PackageResult(summary=f"llmapi repository (1 model), lint clean, {where}", models=1,
                          container=info["container"] or "", deploy=str(deploy) if deploy else "")
+
+
+KEEP_FILE = ".kiln-keep"
+
+
+def _keep_empty_dirs(repo: Path) -> None:
+    """A file in every empty directory (the ensemble's version folder): the repository travels as a cache entry of
+    files, and an empty version folder that did not arrive leaves the ensemble unloadable ("No model version")."""
+    for d in sorted(p for p in repo.rglob("*") if p.is_dir()):
+        if not any(d.iterdir()):
+            (d / KEEP_FILE).write_text("kept so that this folder survives transport as a remote-cache entry\n")
 
 
 def _gpus_used(placement: Optional[Placement]) -> int:
@@ -258,4 +324,5 @@ SPEC = StepSpec(
     tools=("tritonclient",),
     input_hashes=_sources_hash,
     output_dir=_output_dir,
+    finish=write_deploy,
 )

@@ -91,8 +91,13 @@ def llm_args_data(version: str = DEFAULT_LLM_ARGS_VERSION) -> dict:
 def llm_args_version(recipe: Recipe) -> str:
     """The TensorRT-LLM release whose LLM arguments a recipe's files are checked against: its
     ``engine_runtime.trtllm_version`` (``LookupError`` when kiln has no table for it)."""
+    from kiln.util.errors import InputError
+
     version = recipe.engine_runtime.trtllm_version.strip()
-    llm_args_data(version)
+    try:
+        llm_args_data(version)
+    except LookupError as exc:
+        raise InputError(f"engine_runtime.trtllm_version: {exc}") from None
     return version
 
 
@@ -436,5 +441,11 @@ RECIPE_MAPPING: dict[str, tuple[str, str]] = {
                              "repository does not have"),
     "serving.openai_sidecar": ("dropped", "no sidecar: trtllm-serve is OpenAI-compatible itself"),
     "serving.openai_image": ("dropped", "no sidecar image on this target"),
+    "serving.dynamo_workers": ("same", "the aggregated DynamoGraphDeployment's worker replicas (deploy/<recipe>/dynamo)"),
+    "serving.dynamo_prefill_workers": ("same", "the disaggregated DynamoGraphDeployment's prefill replicas"),
+    "serving.dynamo_decode_workers": ("same", "the disaggregated DynamoGraphDeployment's decode replicas"),
+    "serving.init_image": ("same", "the deploy files' init step that pulls the packaged repository (cache.remote)"),
+    "serving.registry_secret": ("same", "the Secret the init step reads the remote cache's credentials from"),
+    "serving.repo_cache_pvc": ("same", "the volume the init step pulls the repository into (reused across pods)"),
 }
 

@@ -7,6 +7,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from kiln.serve.bench.prompts import synthetic_prompts
@@ -83,7 +84,10 @@ class BenchConfig:
         max_requests: Stop a level after this many requests, even before ``duration_s``.
         prompts: The prompts, used in turn; ``None`` for synthetic prompts of ``input_len`` words.
         num_prompts: How many synthetic prompts to make when ``prompts`` is ``None``.
-        input_len: Synthetic prompt length, in words (see :func:`synthetic_prompts`).
+        input_len: Synthetic prompt length: in tokens of ``tokenizer_dir``'s tokenizer (the served model's), else
+            in words (see :func:`synthetic_prompts`).
+        tokenizer_dir: The served model's tokenizer folder (``tokenizer.json``), e.g. the repository's
+            ``preprocessing/1/tokenizer``; ``kiln bench`` takes it from the running ``kiln serve``.
         output_len: ``max_tokens`` sent with every request.
         streaming: Send ``stream=true`` (one response per token). Off: one response per request; TTFT is then
             the whole latency and token figures need the model's token count.
@@ -128,6 +132,7 @@ class BenchConfig:
     max_tokens_tensor: str = "max_tokens"
     stream_tensor: str = "stream"
     output_tensor: str = "text_output"
+    tokenizer_dir: str | None = None
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -190,7 +195,12 @@ class BenchConfig:
         """The prompts requests cycle through (the given ones, or the synthetic set)."""
         if self.prompts is not None:
             return self.prompts
-        return tuple(synthetic_prompts(self.num_prompts, self.input_len, self.seed))
+        tokenizer = None
+        if self.tokenizer_dir is not None:
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(str(Path(self.tokenizer_dir) / "tokenizer.json"))
+        return tuple(synthetic_prompts(self.num_prompts, self.input_len, self.seed, tokenizer))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready settings (prompts and expected texts summarised by count, not copied)."""

@@ -21,12 +21,14 @@ _WORDS = (
 ).split()
 
 
-def synthetic_prompts(n: int, input_len: int, seed: int = 0) -> list[str]:
-    """``n`` distinct prompts of ``input_len`` common English words each, reproducible from ``seed``.
+def synthetic_prompts(n: int, input_len: int, seed: int = 0, tokenizer: Any = None) -> list[str]:
+    """``n`` distinct prompts of ``input_len`` common English words each, reproducible from ``seed``; with the
+    served model's ``tokenizer`` (a ``tokenizers.Tokenizer``), of ``input_len`` tokens each (special tokens the
+    server adds, such as BOS, not counted), as AIPerf's and guidellm's lengths are.
 
-    Length is in words, which the server's tokenizer turns into roughly as many tokens (about one per
-    common word for byte-level BPE vocabularies; more for small ones such as the built-in tiny model's).
-    Each prompt starts with its index, so no two share a prefix beyond it (no accidental KV-cache reuse).
+    Without a tokenizer, length is in words, which the server's tokenizer turns into roughly as many tokens
+    (about one per common word for byte-level BPE vocabularies; more for small ones such as the built-in tiny
+    model's). Each prompt starts with its index, so no two share a prefix beyond it (no accidental KV-cache reuse).
     """
     if n < 1 or input_len < 1:
         raise InputError(f"synthetic prompts need n >= 1 and input_len >= 1, got n={n}, input_len={input_len}")
@@ -34,7 +36,12 @@ def synthetic_prompts(n: int, input_len: int, seed: int = 0) -> list[str]:
     prompts = []
     for i in range(n):
         words = [f"item{i}"] + [rng.choice(_WORDS) for _ in range(input_len - 1)]
-        prompts.append(" ".join(words))
+        text = " ".join(words)
+        if tokenizer is not None:
+            while len(ids := tokenizer.encode(text, add_special_tokens=False).ids) < input_len:
+                text += " " + rng.choice(_WORDS)
+            text = tokenizer.decode(ids[:input_len])
+        prompts.append(text)
     return prompts
 
 

@@ -18,7 +18,10 @@ from kiln.serve.dynamo.launch import (
     dynamo_available,
     dynamo_env,
     frontend_command,
+    serve_foreground,
+    stack_for_repository,
     worker_command,
 )
 
-__all__ = ["DYNAMO_VERSION", "DynamoStack", "dynamo_available", "dynamo_env", "frontend_command", "worker_command"]
+__all__ = ["DYNAMO_VERSION", "DynamoStack", "dynamo_available", "dynamo_env", "frontend_command", "serve_foreground",
+           "stack_for_repository", "worker_command"]

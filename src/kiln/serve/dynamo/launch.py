@@ -53,11 +53,12 @@ def frontend_command(http_port: int, router_mode: str = "round-robin") -> list[s
 
 
 def worker_command(model_dir: Path, served_model_name: str, llm_args: Optional[Path] = None,
-                   num_threads: int = 1) -> list[str]:
+                   num_threads: int = 1, chat_template: Optional[Path] = None) -> list[str]:
     cmd = [sys.executable, "-m", "kiln.serve.dynamo.worker", "--model-dir", str(model_dir), "--served-model-name",
            served_model_name, "--discovery-backend", "file", "--request-plane", "tcp", "--num-threads",
            str(num_threads)]
-    return cmd + (["--llm-args", str(llm_args)] if llm_args else [])
+    cmd += ["--llm-args", str(llm_args)] if llm_args else []
+    return cmd + (["--chat-template", str(chat_template)] if chat_template else [])
 
 
 @dataclass
@@ -71,9 +72,11 @@ class DynamoStack:
     http_port: int
     workers: int = 1
     llm_args: Optional[Path] = None
+    chat_template: Optional[Path] = None
     log_dir: Optional[Path] = None
     discovery_dir: Optional[Path] = None
     startup_timeout_s: float = 180.0
+    stop_timeout_s: float = 10.0                #: SIGTERM, then SIGKILL for what is still running after this
     procs: list = field(default_factory=list)
 
     @property
@@ -96,7 +99,8 @@ class DynamoStack:
         env = dynamo_env(self.discovery_dir)
         self._spawn("frontend", frontend_command(self.http_port), env)
         for i in range(self.workers):
-            self._spawn(f"worker{i}", worker_command(self.model_dir, self.served_model_name, self.llm_args), env)
+            self._spawn(f"worker{i}", worker_command(self.model_dir, self.served_model_name, self.llm_args,
+                                                     chat_template=self.chat_template), env)
         self.wait_ready()
         return self
 
@@ -132,9 +136,10 @@ class DynamoStack:
         for _, proc in reversed(self.procs):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_timeout_s
         for _, proc in reversed(self.procs):
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=5)
@@ -145,3 +150,61 @@ class DynamoStack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def stack_for_repository(repo: Path, http_port: int, workers: int = 1,
+                         log_dir: Optional[Path] = None) -> DynamoStack:
+    """A :class:`DynamoStack` serving a packaged target-pytorch repository (``kiln.json`` layout ``llmapi``): its
+    unified checkpoint with its model.yaml's LLM arguments, under the recipe's name."""
+    import json
+
+    info_file = Path(repo) / "kiln.json"
+    info = json.loads(info_file.read_text()) if info_file.is_file() else {}
+    if info.get("layout") != "llmapi":
+        raise ValueError(f"{repo}: --stack dynamo serves target-pytorch repositories (ModelOpt's unified checkpoint); "
+                         "this one is not (package the recipe with --set target=pytorch)")
+    version = Path(repo) / "tensorrt_llm" / "1"
+    template = version / "chat_template.jinja"
+    return DynamoStack(model_dir=version / "checkpoint", served_model_name=info.get("recipe") or Path(repo).name,
+                       http_port=http_port, workers=workers, llm_args=version / "model.yaml",
+                       chat_template=template if template.is_file() else None, log_dir=log_dir)
+
+
+def serve_foreground(stack: DynamoStack, repo: Path, announce, state_file: Optional[Path] = None) -> int:
+    """Start ``stack``, write the state `kiln stop` reads, announce, serve until SIGINT/SIGTERM or until a process
+    dies (RuntimeError with its log's tail); always stops every process."""
+    import json
+
+    stop = {"requested": False}
+
+    def on_signal(signum, _frame):  # noqa: ANN001
+        stop["requested"] = True
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    started = time.monotonic()
+    try:
+        stack.start()
+        state = {"pid": os.getpid(), "repo": str(Path(repo).resolve()), "stack": "dynamo",
+                 "urls": {"http": stack.base_url, "openai": f"{stack.base_url}/v1"},
+                 "log": str(stack.log_dir), "startup_s": time.monotonic() - started, "ready": True,
+                 "processes": {name: proc.pid for name, proc in stack.procs}}
+        if state_file is not None:
+            state_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = state_file.with_suffix(".part")
+            tmp.write_text(json.dumps(state, indent=2))
+            os.replace(tmp, state_file)
+        announce(state)
+        while not stop["requested"]:
+            for name, proc in stack.procs:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"Dynamo {name} stopped unexpectedly (exit {proc.returncode}); log "
+                                       f"{stack.log_path(name)}:\n"
+                                       f"{stack.log_path(name).read_text(errors='replace')[-3000:]}")
+            time.sleep(0.3)
+        return 0
+    finally:
+        stack.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if state_file is not None:
+            state_file.unlink(missing_ok=True)

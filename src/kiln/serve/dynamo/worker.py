@@ -30,9 +30,12 @@ log = logging.getLogger("kiln.dynamo.worker")
 VEHICLE = "kiln's CPU reference runtime behind Dynamo: a test and development vehicle, not a serving path"
 
 
-def _reference_module():
-    """kiln's reference runtime (a standalone file shipped into llmapi repositories), loaded by path."""
-    path = Path(__file__).resolve().parents[2] / "triton" / "models" / "llmapi" / "kiln_llmapi_reference.py"
+def _reference_module(model_dir: str):
+    """kiln's reference runtime: the copy the packaged repository serves with (beside model.yaml and the
+    kiln_dequantize.json it reads, one directory above the checkpoint), else kiln's own."""
+    path = Path(model_dir).resolve().parent / "kiln_llmapi_reference.py"
+    if not path.is_file():
+        path = Path(__file__).resolve().parents[2] / "triton" / "models" / "llmapi" / "kiln_llmapi_reference.py"
     spec = importlib.util.spec_from_file_location("kiln_llmapi_reference", path)
     module = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
@@ -70,7 +73,7 @@ class Handler:
         log.info("request %s: %d prompt tokens, max_tokens %d (active %d)", context.id(), len(ids), params.max_tokens,
                  self.active)
         stopped = asyncio.ensure_future(context.async_killed_or_stopped())
-        sent = 0
+        sent, finished = 0, False
         try:
             async for out in handle:
                 if stopped.done():
@@ -80,6 +83,7 @@ class Handler:
                 sent = len(o.token_ids)
                 delta: dict[str, Any] = {"token_ids": new, "index": 0}
                 if out.finished:
+                    finished = True
                     delta["finish_reason"] = o.finish_reason or "stop"
                     delta["completion_usage"] = {"prompt_tokens": len(ids), "completion_tokens": sent,
                                                  "total_tokens": len(ids) + sent}
@@ -89,12 +93,31 @@ class Handler:
         except self.ref.ReferenceError as err:
             yield {"token_ids": [], "finish_reason": {"error": str(err)}}
         finally:
-            if not stopped.done() or stopped.done():
-                handle.abort()  # no-op when finished; stops the generation thread's loop when the client left
-            if stopped.done():
-                log.info("request %s: cancelled by the client after %d tokens", context.id(), sent)
+            if not finished:  # the client went away (or the stream was closed): stop the generation thread
+                handle.abort()
+                final = await _last_output(handle)
+                o = final.outputs[0] if final is not None and final.outputs else None
+                log.info("request %s: %s: the generation stopped with finish_reason %s after %d tokens", context.id(),
+                         "cancelled by the client" if stopped.done() else "closed early",
+                         o.finish_reason if o else "unknown", len(o.token_ids) if o else -1)
             stopped.cancel()
             self.active -= 1
+
+
+async def _last_output(handle: Any, timeout_s: float = 30.0) -> Any:
+    """The last output a request handle still delivers (its final one), or None when none comes in time."""
+    last = None
+
+    async def drain() -> None:
+        nonlocal last
+        async for out in handle:
+            last = out
+
+    try:
+        await asyncio.wait_for(drain(), timeout_s)
+    except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - a failed request has no final output to report
+        pass
+    return last
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -104,6 +127,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--served-model-name", required=True)
     p.add_argument("--llm-args", help="a YAML/JSON file of LLM arguments (model.yaml's); those the reference "
                    "runtime does not apply are logged")
+    p.add_argument("--chat-template", help="a Jinja chat template for the frontend (when the tokenizer has none)")
     p.add_argument("--namespace", default="kiln")
     p.add_argument("--component", default="backend")
     p.add_argument("--endpoint", default="generate")
@@ -126,7 +150,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
     from dynamo.runtime import DistributedRuntime
 
-    reference = _reference_module()
+    reference = _reference_module(args.model_dir)
     llm = reference.ReferenceLLM(args.model_dir, num_threads=args.num_threads, **_llm_args(args.llm_args))
     log.info("%s; LLM arguments not applied on the CPU: %s", VEHICLE, ", ".join(llm.not_applied) or "none")
     loop = asyncio.get_running_loop()
@@ -137,7 +161,8 @@ async def _serve(args: argparse.Namespace) -> None:
         config.context_length = int(llm.max_seq_len)
     config.max_num_seqs = 1  # one request at a time (the reference runtime's generation thread)
     await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint, args.model_dir,
-                         args.served_model_name, worker_type=WorkerType.Aggregated, runtime_config=config)
+                         args.served_model_name, worker_type=WorkerType.Aggregated, runtime_config=config,
+                         custom_template_path=args.chat_template)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

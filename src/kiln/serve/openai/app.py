@@ -394,8 +394,11 @@ def create_app(backend: TritonBackend, info: ModelInfo) -> Any:
             chunk: Chunk | None = first
             while chunk is not None:
                 text, pairs = done.add(chunk)
-                if pairs:
-                    yield _sse(done.chunk(text, pairs))
+                if pairs or (text and done.req.continuous_usage):
+                    event = done.chunk(text, pairs)
+                    if done.req.continuous_usage:
+                        event["usage"] = done.usage()
+                    yield _sse(event)
                 elif text:
                     yield done.text_event(text)
                 if done.cutter.stopped or chunk.final:

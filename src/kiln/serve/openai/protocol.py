@@ -9,8 +9,9 @@ ignored. A field the API does not define is a 400 naming it, as OpenAI's own ser
 argument supplied"), except the extensions benchmark and evaluation tools send (:data:`EXTENSIONS`, from the
 recorded requests of AIPerf, guidellm and lm-eval in tests/fixtures/openai_tools): ``ignore_eos`` and
 ``min_tokens`` (vLLM's names), which are honoured through the Triton model's ``end_id`` (-1: no end token) and
-``min_tokens`` inputs, or refused when the model has no such input. A chat role other than system, developer,
-user and assistant is a 400.
+``min_tokens`` inputs, or refused when the model has no such input. ``stream_options.continuous_usage_stats``
+(vLLM's, which guidellm sends) puts the running ``usage`` in every streamed chunk. A chat role other than system,
+developer, user and assistant is a 400.
 
 Prompts are text or token ids (a list of ints, or a list holding one list of ints), as OpenAI accepts them.
 ``echo`` (completions) returns the prompt's tokens with their log-probabilities (and, with ``logprobs: 1``, the
@@ -87,6 +88,7 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's; guidellm sends it): usage per chunk
     logprobs: bool = False
     top_logprobs: int = 0  # completions with echo: the top-1 alternative at each position
     echo: bool = False
@@ -256,6 +258,7 @@ def parse_request(raw: bytes, chat: bool) -> GenerationRequest:
         chat=chat, model=model, max_tokens=max_tokens, temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
         top_p=_number(body, "top_p", 0.0, 1.0, 1.0), seed=seed, stop=stops, stream=stream,
         include_usage=bool(options.get("include_usage")) and stream, logprobs=logprobs, explicit=explicit,
+        continuous_usage=bool(options.get("continuous_usage_stats")) and stream,
         echo=echo, ignore_eos=ignore_eos, min_tokens=min_tokens,
     )
     if not chat and logprobs:

@@ -39,8 +39,16 @@ import yaml
 
 from kiln.recipe.containers import row_for
 from kiln.recipe.schema import Recipe
-from kiln.triton.deploy.info import CONTAINER_REPO, SHM_SIZE_GIB, k8s_name
-from kiln.triton.deploy.render import _dump_yaml, container_security_context, pod_security_context
+from kiln.plan.host import PodSizing
+from kiln.triton.deploy.info import CONTAINER_REPO, SHM_SIZE_GIB, RepoPull, k8s_name
+from kiln.triton.deploy.render import (
+    _dump_yaml,
+    container_security_context,
+    init_container,
+    pod_security_context,
+    repo_mount,
+    repo_volumes,
+)
 
 DYNAMO_DIR = "dynamo"
 #: The Dynamo release whose interfaces kiln writes against (the tests' PyPI release).
@@ -50,7 +58,7 @@ OPTIONS_MOUNT = "/kiln/dynamo"
 GRAPH_FILES = ("graph-aggregated.yaml", "graph-disaggregated.yaml")
 #: CPU / memory requests per container. Placeholders until the plan sizes pods (issue 23): the frontend tokenizes
 #: and routes; a TensorRT-LLM worker's host side loads the checkpoint and drives tp × pp GPUs.
-FRONTEND_RESOURCES = {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "8Gi"}}
+FRONTEND_RESOURCES = {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"cpu": "4", "memory": "8Gi"}}
 WORKER_CPU_PER_GPU, WORKER_MEMORY_GIB_PER_GPU = 4, 32
 
 
@@ -76,18 +84,23 @@ class DynamoDeploy:
     decode_workers: int
     checkpoint: str = f"{CONTAINER_REPO}/tensorrt_llm/1/checkpoint"
     hub_token_secret: Optional[str] = None
+    repo_pull: Optional[RepoPull] = None
+    """The repository comes from the remote cache: every pod's init step pulls it by digest (None: the user's PVC)."""
+    sizing: Optional[PodSizing] = None
+    """A worker pod's host memory, /dev/shm and CPU from the plan (kiln.plan.host); None: the fixed figures."""
 
     @property
     def gpus(self) -> int:
         return self.tp * self.pp
 
     @classmethod
-    def from_recipe(cls, recipe: Recipe, image: str, hub_token_secret: Optional[str] = None) -> "DynamoDeploy":
+    def from_recipe(cls, recipe: Recipe, image: str, hub_token_secret: Optional[str] = None,
+                    repo_pull: Optional[RepoPull] = None, sizing: Optional[PodSizing] = None) -> "DynamoDeploy":
         s = recipe.serving
         return cls(recipe_name=recipe.name, image=image, served_model_name=recipe.name, tp=recipe.parallelism.tp,
                    pp=recipe.parallelism.pp, http_port=s.http_port, workers=s.dynamo_workers,
                    prefill_workers=s.dynamo_prefill_workers, decode_workers=s.dynamo_decode_workers,
-                   hub_token_secret=hub_token_secret)
+                   hub_token_secret=hub_token_secret, repo_pull=repo_pull, sizing=sizing)
 
 
 # ------------------------------------------------------------------------------------------------ commands
@@ -113,12 +126,14 @@ def _labels(d: DynamoDeploy, component: str) -> dict[str, str]:
 
 
 def _pod_spec(d: DynamoDeploy, container: dict[str, Any], gpu: bool) -> dict[str, Any]:
+    repo = repo_volumes(d.repo_pull, _pvc(d), d.sizing.repo_bytes if d.sizing else 0)
     volumes: list[dict[str, Any]] = [
-        {"name": "model-repo", "persistentVolumeClaim": {"claimName": _pvc(d), "readOnly": True}},
+        repo[0],
         {"name": "llm-options", "configMap": {"name": options_configmap_name(d)}},
-    ]
+    ] + repo[1:]
     if gpu:
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{SHM_SIZE_GIB}Gi"}})
+        shm = d.sizing.shm_gib if d.sizing else SHM_SIZE_GIB
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm}Gi"}})
     spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
@@ -127,6 +142,8 @@ def _pod_spec(d: DynamoDeploy, container: dict[str, Any], gpu: bool) -> dict[str
         "containers": [container],
         "volumes": volumes,
     }
+    if d.repo_pull is not None:
+        spec["initContainers"] = [init_container(d.repo_pull)]
     if gpu:
         spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     return spec
@@ -144,8 +161,8 @@ def _env(d: DynamoDeploy) -> list[dict[str, Any]]:
     return env
 
 
-def _mounts(gpu: bool) -> list[dict[str, Any]]:
-    mounts = [{"name": "model-repo", "mountPath": CONTAINER_REPO, "readOnly": True},
+def _mounts(d: DynamoDeploy, gpu: bool) -> list[dict[str, Any]]:
+    mounts = [repo_mount(d.repo_pull),
               {"name": "llm-options", "mountPath": OPTIONS_MOUNT, "readOnly": True}]
     return mounts + ([{"name": "dshm", "mountPath": "/dev/shm"}] if gpu else [])
 
@@ -164,7 +181,7 @@ def frontend_component(d: DynamoDeploy) -> dict[str, Any]:
         "startupProbe": {**probe, "failureThreshold": 60},
         "livenessProbe": {**probe, "failureThreshold": 3},
         "readinessProbe": {**probe, "failureThreshold": 3},
-        "volumeMounts": _mounts(False),
+        "volumeMounts": _mounts(d, False),
         "securityContext": container_security_context(),
     }
     return {"name": "Frontend", "type": "frontend", "replicas": 1,
@@ -181,15 +198,25 @@ def worker_component(d: DynamoDeploy, name: str, mode: str, replicas: int) -> di
         "image": d.image,
         "command": worker_args(d, f"{OPTIONS_MOUNT}/{OPTIONS_FILE}", mode),
         "env": _env(d),
-        "resources": {"requests": {"cpu": str(WORKER_CPU_PER_GPU * gpus),
-                                   "memory": f"{WORKER_MEMORY_GIB_PER_GPU * gpus}Gi", "nvidia.com/gpu": gpus},
-                      "limits": {"nvidia.com/gpu": gpus}},
-        "volumeMounts": _mounts(True),
+        "resources": _worker_resources(d),
+        "volumeMounts": _mounts(d, True),
         "securityContext": container_security_context(),
     }
     return {"name": name, "type": kind, "replicas": replicas,
             "podTemplate": {"metadata": {"labels": _labels(d, name.lower())},
                             "spec": _pod_spec(d, container, gpu=True)}}
+
+
+def _worker_resources(d: DynamoDeploy) -> dict[str, Any]:
+    """A worker's: from the plan when given (memory request = limit, CPU limit twice the request), else the fixed
+    figures per GPU."""
+    gpus = d.gpus
+    if d.sizing is None:
+        cpu, memory = WORKER_CPU_PER_GPU * gpus, f"{WORKER_MEMORY_GIB_PER_GPU * gpus}Gi"
+    else:
+        cpu, memory = d.sizing.cpu, f"{d.sizing.memory_mib}Mi"
+    return {"requests": {"cpu": str(cpu), "memory": memory, "nvidia.com/gpu": gpus},
+            "limits": {"cpu": str(2 * cpu), "memory": memory, "nvidia.com/gpu": gpus}}
 
 
 def options_configmap_name(d: DynamoDeploy) -> str:
@@ -313,9 +340,14 @@ def render_readme(d: DynamoDeploy) -> str:
         "- `k8s/graph-aggregated.yaml`: a DynamoGraphDeployment (needs Dynamo's operator and CRDs) with the frontend "
         f"and {d.workers} aggregated worker(s) of {d.gpus} GPU(s); `k8s/graph-disaggregated.yaml`: the frontend, "
         f"{d.prefill_workers} prefill and {d.decode_workers} decode worker(s) (serving.dynamo_prefill_workers / "
-        "dynamo_decode_workers). Both mount the model repository from the PersistentVolumeClaim "
-        f"`{_pvc(d)}` (create it holding the packaged repository) and the LLM options from the ConfigMap in the "
-        "same file.",
+        "dynamo_decode_workers). "
+        + (f"In every pod an init container pulls the packaged repository `{d.repo_pull.tag}` by digest "
+           f"`{d.repo_pull.digest}` from `{d.repo_pull.cache}` and verifies it (the registry Secret "
+           f"`{d.repo_pull.registry_secret}` is the only object made by hand: see ../README.md); the pods mount it "
+           "and the LLM options from the ConfigMap in the same file." if d.repo_pull is not None else
+           f"Both mount the model repository from the PersistentVolumeClaim `{_pvc(d)}` (without a remote cache, "
+           "e.g. air-gapped: fill it with the packaged repository) and the LLM options from the ConfigMap in the "
+           "same file."),
         "",
         "On a machine without a GPU, `kiln serve RECIPE --stack dynamo` runs the real Dynamo frontend in front of",
         "kiln's CPU reference runtime: a test and development vehicle, not this deployment.",

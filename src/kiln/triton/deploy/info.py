@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kiln.plan.host import PodSizing
 from kiln.triton.deploy.openai_sidecar import OpenAISidecar, default_image
 from kiln.util.errors import InputError
 
@@ -37,6 +38,41 @@ LWS_KIND = "LeaderWorkerSet"
 
 _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+
+
+#: Where the init step mounts the pod's repository volume (the repository is a folder in it, one per digest).
+INIT_MOUNT = "/kiln-repo"
+#: Where the registry Secret (kubernetes.io/dockerconfigjson) is mounted as the init step's Docker config.
+REGISTRY_AUTH_MOUNT = "/etc/kiln-registry"
+
+
+@dataclass(frozen=True)
+class RepoPull:
+    """The packaged repository as a remote-cache entry, and how the deploy files' init step fetches it."""
+
+    cache: str
+    """The remote cache, ``oci://HOST/REPOSITORY`` (``oci+http://`` for plain HTTP)."""
+    tag: str
+    """``package-<fingerprint>``."""
+    digest: str
+    """The entry's OCI manifest digest (computed locally; the deploy files pull by it)."""
+    init_image: str
+    registry_secret: str
+    cache_pvc: str | None = None
+    expect: tuple[str, ...] = ()
+    """``FILE:KEY=VALUE`` facts the pulled repository must record (its versions against the serving image's)."""
+
+    @property
+    def folder(self) -> str:
+        """The repository's folder in the volume: ``sha256-<hex>``."""
+        return self.digest.replace(":", "-")
+
+    def command(self) -> list[str]:
+        argv = ["python3", "-m", "kiln.cache.fetch", "--cache", self.cache, "--tag", self.tag, "--digest",
+                self.digest, "--into", f"{INIT_MOUNT}/{self.folder}"]
+        for fact in self.expect:
+            argv += ["--expect", fact]
+        return argv
 
 
 # ----------------------------------------------------------------------------------------- what to deploy
@@ -82,6 +118,10 @@ class DeployInfo:
     llmapi: bool = False
     """Target pytorch: the repository's one model is Triton's llmapi model; one tritonserver process, whose LLM API
     starts the tp × pp ranks itself (no mpirun leader mode, no engine to check)."""
+    repo_pull: RepoPull | None = None
+    """The repository comes from the remote cache (init step); None: a volume the user fills (air-gapped)."""
+    sizing: PodSizing | None = None
+    """Host memory, /dev/shm, CPU and load time of a serving pod (:mod:`kiln.plan.host`); None: kiln's defaults."""
 
     def __post_init__(self) -> None:
         if not self.recipe_name.strip():
@@ -157,6 +197,8 @@ class DeployInfo:
         draft_model_name: str | None = None,
         orchestrator: bool = False,
         orchestrator_gpus: int = 0,
+        repo_pull: RepoPull | None = None,
+        sizing: PodSizing | None = None,
     ) -> DeployInfo:
         """The deploy facts of ``recipe``: world size, GPUs per node, ports and target.
 
@@ -187,6 +229,8 @@ class DeployInfo:
             multinode_image=recipe.serving.multinode_image or multinode_image_name(image),
             openai=openai,
             llmapi=llmapi,
+            repo_pull=repo_pull,
+            sizing=sizing,
         )
 
 
@@ -209,3 +253,37 @@ def k8s_name(recipe_name: str) -> str:
         base = f"{base[: NAME_MAX - len(digest) - 1].rstrip('-')}-{digest}"
     return base
 
+
+
+#: Vocabulary assumed for the tokenizer's host memory when the model's config cannot be read (Llama 3's size).
+FALLBACK_VOCAB = 128_256
+
+
+def sizing_for(recipe: Recipe, model_config: dict | None = None, repo_bytes: int = 0) -> PodSizing:
+    """A serving pod's figures for ``recipe`` (:func:`kiln.plan.host.pod_sizing`): weights from the planner on the
+    model's config (read without a download: local, built-in, or shipped with kiln), else from ``repo_bytes`` (the
+    packaged repository, measured) split evenly over the ranks."""
+    from kiln.plan.errors import PlanError
+    from kiln.plan.host import pod_sizing
+    from kiln.plan.model import parse_model_config
+    from kiln.plan.planner import weight_bytes
+    from kiln.plan.recipe import plan_inputs, recipe_model_config
+    from kiln.recipe.loader import LoadedRecipe
+
+    world = recipe.parallelism.tp * recipe.parallelism.pp
+    per_pod = min(world, recipe.hardware.gpus_per_node)
+    llmapi = recipe.target == "pytorch"
+    config = model_config if model_config is not None else recipe_model_config(LoadedRecipe(recipe, None))
+    try:
+        if config is None:
+            raise PlanError("no model config")
+        total, rank = weight_bytes(plan_inputs(recipe, config))
+        vocab = parse_model_config(config).vocab_size
+        basis = (f"weights from the planner ({recipe.model.source}, {recipe.quantization.format}, tp {recipe.parallelism.tp}"
+                 f" × pp {recipe.parallelism.pp})")
+    except PlanError as exc:
+        total, rank, vocab = repo_bytes, -(-repo_bytes // world), FALLBACK_VOCAB
+        basis = f"weights measured in the packaged repository ({exc}); vocabulary assumed {FALLBACK_VOCAB}"
+    return pod_sizing(rank_weight_bytes=rank, total_weight_bytes=max(total, repo_bytes), ranks_on_pod=per_pod,
+                      gpus_on_pod=per_pod, vocab_size=vocab, python_models=1 if llmapi else 3,
+                      tokenizer_loads=1 if llmapi else 2, basis=basis)

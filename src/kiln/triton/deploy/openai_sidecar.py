@@ -94,7 +94,7 @@ def k8s_container(info: DeployInfo, security: dict[str, Any]) -> dict[str, Any]:
         "command": sidecar_command(info, "127.0.0.1"),
         "ports": [{"name": "openai", "containerPort": info.openai.port, "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": "/tmp"}],
-        "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
+        "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"cpu": "1", "memory": "512Mi"}},
         "startupProbe": tcp(5, 60),
         "readinessProbe": {"httpGet": {"path": "/health", "port": "openai"}, "periodSeconds": 10,
                            "timeoutSeconds": 5, "failureThreshold": 3},

@@ -16,8 +16,12 @@ from typing import Any
 import yaml
 
 from kiln.triton.deploy import openai_sidecar
+from kiln.plan.host import PodSizing
 from kiln.triton.deploy.info import (
     CONTAINER_REPO,
+    INIT_MOUNT,
+    REGISTRY_AUTH_MOUNT,
+    RepoPull,
     LWS_API_VERSION,
     LWS_KIND,
     RUN_AS_UID,
@@ -214,7 +218,7 @@ def compose_spec(info: DeployInfo, repo_source: str) -> dict[str, Any]:
         "init": True,
         "environment": ["HOME=/tmp"] + (["HF_TOKEN"] if info.hub_token_secret else []),
         "ports": [f"{p}:{p}" for p in (info.http_port, info.grpc_port, info.metrics_port)],
-        "shm_size": f"{SHM_SIZE_GIB}gb",
+        "shm_size": f"{_sizing(info).shm_gib}gb",
         "ulimits": {"memlock": -1, "stack": 67108864},
         "volumes": [{"type": "bind", "source": repo_source, "target": CONTAINER_REPO, "read_only": True}],
         "healthcheck": {
@@ -232,10 +236,35 @@ def compose_spec(info: DeployInfo, repo_source: str) -> dict[str, Any]:
                 "reservations": {"devices": [{"driver": "nvidia", "count": info.world_size, "capabilities": ["gpu"]}]}
             }
         }
-    services = {"triton": service}
+    services: dict[str, Any] = {}
+    pull = info.repo_pull
+    if pull is not None:
+        # A one-shot service pulls the repository by digest into a named volume; Triton (and the sidecar) mount
+        # the digest's folder of it once that service has completed.
+        services["fetch-repo"] = {
+            "image": pull.init_image,
+            "command": pull.command(),
+            "user": f"{RUN_AS_UID}:{RUN_AS_UID}",
+            "environment": ["HOME=/tmp", "KILN_REGISTRY_USERNAME", "KILN_REGISTRY_PASSWORD"],
+            "volumes": [{"type": "volume", "source": "model-repo", "target": INIT_MOUNT}],
+            "restart": "no",
+        }
+        service["volumes"] = [_compose_repo_volume(pull)]
+        service["depends_on"] = {"fetch-repo": {"condition": "service_completed_successfully"}}
+    services["triton"] = service
     if info.openai is not None:
         services["openai"] = openai_sidecar.compose_service(info, repo_source)
-    return {"name": k8s_name(info.recipe_name), "services": services}
+        if pull is not None:
+            services["openai"]["volumes"] = [_compose_repo_volume(pull)]
+    spec: dict[str, Any] = {"name": k8s_name(info.recipe_name), "services": services}
+    if pull is not None:
+        spec["volumes"] = {"model-repo": {}}
+    return spec
+
+
+def _compose_repo_volume(pull: Any) -> dict[str, Any]:
+    return {"type": "volume", "source": "model-repo", "target": CONTAINER_REPO, "read_only": True,
+            "volume": {"subpath": pull.folder}}
 
 
 def _compose_header(info: DeployInfo) -> str:
@@ -323,8 +352,9 @@ def _http_probes(info: DeployInfo) -> dict[str, Any]:
         }
 
     return {
-        # Triton opens its endpoints only after loading every model: give start-up up to 30 minutes.
-        "startupProbe": get("/v2/health/ready", 10, 180),
+        # Triton opens its endpoints only after loading every model: start-up gets the plan's time for it
+        # (kiln.plan.host: base + safety × weights ÷ read rate).
+        "startupProbe": get("/v2/health/ready", 10, -(-_sizing(info).startup_seconds // 10)),
         "readinessProbe": get("/v2/health/ready", 10, 3),
         "livenessProbe": get("/v2/health/live", 15, 4),
     }
@@ -345,24 +375,88 @@ def _server_ports(info: DeployInfo) -> list[dict[str, Any]]:
     ]
 
 
+def _sizing(info: DeployInfo) -> PodSizing:
+    """The pod's figures: the plan's (the package step passes them), else the same formulas with no weights
+    counted (a caller that built a DeployInfo by hand)."""
+    if info.sizing is not None:
+        return info.sizing
+    from kiln.plan.host import pod_sizing
+
+    gpus = max(info.gpus_per_pod, 1)
+    return pod_sizing(rank_weight_bytes=0, total_weight_bytes=0, ranks_on_pod=gpus, gpus_on_pod=gpus, vocab_size=0,
+                      python_models=1 if info.llmapi else 3, tokenizer_loads=1 if info.llmapi else 2,
+                      basis="no plan given: weights not counted")
+
+
 def _resources(info: DeployInfo) -> dict[str, Any]:
-    if not info.gpu:
-        return {}  # reference target: CPU only, no GPU reserved
-    return {"limits": {"nvidia.com/gpu": info.gpus_per_pod}}
+    """The serving container's: host memory and CPU from the plan (kiln.plan.host), memory limit = request (the
+    memory-backed /dev/shm counts against it), CPU limit twice the request; the pod's GPUs."""
+    sizing = _sizing(info)
+    memory = f"{sizing.memory_mib}Mi"
+    requests: dict[str, Any] = {"cpu": str(sizing.cpu), "memory": memory}
+    limits: dict[str, Any] = {"cpu": str(2 * sizing.cpu), "memory": memory}
+    if info.gpu:  # reference target: CPU only, no GPU reserved
+        limits["nvidia.com/gpu"] = info.gpus_per_pod
+    return {"requests": requests, "limits": limits}
+
+
+#: The init step streams layers to disk in 1 MiB chunks: small, fixed needs whatever the repository's size.
+INIT_RESOURCES = {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "512Mi"}}
+
+
+def repo_volumes(pull: RepoPull | None, pvc: str, repo_bytes: int) -> list[dict[str, Any]]:
+    """The ``model-repo`` volume (and the registry Secret's): the user's PVC without a pull; with one, the cache PVC
+    or an emptyDir with room for the repository (its bytes and a tenth more)."""
+    if pull is None:
+        return [{"name": "model-repo", "persistentVolumeClaim": {"claimName": pvc, "readOnly": True}}]
+    if pull.cache_pvc:
+        repo: dict[str, Any] = {"name": "model-repo", "persistentVolumeClaim": {"claimName": pull.cache_pvc}}
+    else:
+        repo = {"name": "model-repo", "emptyDir": {"sizeLimit": f"{-(-repo_bytes * 11 // 10 // (1 << 20)) + 64}Mi"}}
+    return [repo, {"name": "registry-auth", "secret": {
+        "secretName": pull.registry_secret, "optional": True, "defaultMode": 0o440,
+        "items": [{"key": ".dockerconfigjson", "path": "config.json"}]}}]
+
+
+def repo_mount(pull: RepoPull | None) -> dict[str, Any]:
+    """Where a container reads the repository: ``/models``, the init step's folder for the digest when pulled."""
+    mount = {"name": "model-repo", "mountPath": CONTAINER_REPO, "readOnly": True}
+    if pull is not None:
+        mount["subPath"] = pull.folder
+    return mount
 
 
 def _base_volumes(info: DeployInfo) -> list[dict[str, Any]]:
-    return [
-        {"name": "model-repo", "persistentVolumeClaim": {"claimName": pvc_name(info), "readOnly": True}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{SHM_SIZE_GIB}Gi"}},
-    ]
+    volumes = repo_volumes(info.repo_pull, pvc_name(info), _sizing(info).repo_bytes)
+    return volumes[:1] + [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{_sizing(info).shm_gib}Gi"}}] + volumes[1:]
 
 
-def _base_mounts() -> list[dict[str, Any]]:
-    return [
-        {"name": "model-repo", "mountPath": CONTAINER_REPO, "readOnly": True},
-        {"name": "dshm", "mountPath": "/dev/shm"},
-    ]
+def _repo_mount(info: DeployInfo) -> dict[str, Any]:
+    return repo_mount(info.repo_pull)
+
+
+def _base_mounts(info: DeployInfo) -> list[dict[str, Any]]:
+    return [_repo_mount(info), {"name": "dshm", "mountPath": "/dev/shm"}]
+
+
+def _init_container(info: DeployInfo) -> dict[str, Any]:
+    assert info.repo_pull is not None
+    return init_container(info.repo_pull)
+
+
+def init_container(pull: RepoPull) -> dict[str, Any]:
+    """Pull the packaged repository by digest into the pod's volume, every layer verified, its recorded versions
+    checked against the serving image's (``python -m kiln.cache.fetch``)."""
+    return {
+        "name": "fetch-repo",
+        "image": pull.init_image,
+        "command": pull.command(),
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "DOCKER_CONFIG", "value": REGISTRY_AUTH_MOUNT}],
+        "resources": {kind: dict(values) for kind, values in INIT_RESOURCES.items()},  # a copy per pod
+        "volumeMounts": [{"name": "model-repo", "mountPath": INIT_MOUNT},
+                         {"name": "registry-auth", "mountPath": REGISTRY_AUTH_MOUNT, "readOnly": True}],
+        "securityContext": container_security_context(),
+    }
 
 
 def pod_security_context() -> dict[str, Any]:
@@ -384,10 +478,13 @@ def _pod_spec(info: DeployInfo, container: dict[str, Any], volumes: list[dict[st
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 60,
         "securityContext": pod_security_context(),
-        "containers": [container] + ([openai_sidecar.k8s_container(info, container_security_context())]
+        "containers": [container] + ([{**openai_sidecar.k8s_container(info, container_security_context()),
+                                       "volumeMounts": [_repo_mount(info)]}]
                                      if sidecar and info.openai is not None else []),
         "volumes": volumes,
     }
+    if info.repo_pull is not None:
+        spec["initContainers"] = [_init_container(info)]
     if info.gpu:
         spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     return spec
@@ -433,7 +530,7 @@ def _service(info: DeployInfo, component: str) -> dict[str, Any]:
 
 
 def _deployment(info: DeployInfo) -> dict[str, Any]:
-    container = _server_container(info, server_command(info, CONTAINER_REPO), _base_mounts())
+    container = _server_container(info, server_command(info, CONTAINER_REPO), _base_mounts(info))
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -553,7 +650,7 @@ def _leaderworkerset(info: DeployInfo) -> list[dict[str, Any]]:
         # group-readable for fsGroup 1000; the scripts copy the key into a 0600 file before use
         {"name": "mpi-ssh", "secret": {"secretName": ssh_secret_name(info), "defaultMode": 0o440}},
     ]
-    mounts = _base_mounts() + [scripts_mount, ssh_mount]
+    mounts = _base_mounts(info) + [scripts_mount, ssh_mount]
     leader = {**_server_container(info, ["bash", "/opt/kiln/leader.sh"], mounts), "image": _multinode_image(info)}
     worker = {
         "name": "worker",
@@ -673,7 +770,10 @@ def render_readme(info: DeployInfo, repo_source: str) -> str:
         "",
         "## One host: Docker Compose",
         "",
-        f"The repository is mounted read-only from `{repo_source}` (relative to this directory).",
+        (f"The one-shot service `fetch-repo` pulls the repository from the remote cache by digest into the volume "
+         "`model-repo` (export KILN_REGISTRY_USERNAME and KILN_REGISTRY_PASSWORD first unless the registry allows "
+         "anonymous pulls); Triton starts once it has completed." if info.repo_pull is not None else
+         f"The repository is mounted read-only from `{repo_source}` (relative to this directory)."),
         "",
         "```sh",
         "docker compose up -d" + ("   # export HF_TOKEN first" if info.hub_token_secret else ""),
@@ -688,9 +788,8 @@ def render_readme(info: DeployInfo, repo_source: str) -> str:
         f"Files: {', '.join(f'`k8s/{f}`' for f in k8s_files)}. The pods run as uid 1000 (the image's "
         "`triton-server` user) without privileges.",
         "",
-        f"1. Create a PersistentVolumeClaim `{pvc_name(info)}` holding the model repository at its root"
-        + (" (`ReadOnlyMany` or `ReadWriteMany`: every pod of the group mounts it)." if info.multi_node else "."),
     ]
+    lines += _readme_repository(info)
     if info.hub_token_secret:
         lines.append(
             f"1. Create the Secret: `kubectl create secret generic {info.hub_token_secret} --from-literal=HF_TOKEN=...`"
@@ -733,8 +832,89 @@ def render_readme(info: DeployInfo, repo_source: str) -> str:
         "through the `prometheus.io/*` annotations.",
         "",
     ]
+    lines += _readme_sizing(info)
     lines += openai_sidecar.readme_section(info)
     return "\n".join(lines)
+
+
+def _readme_repository(info: DeployInfo) -> list[str]:
+    """README steps that put the repository where the pods read it."""
+    pull = info.repo_pull
+    pvc = (f"a PersistentVolumeClaim `{pvc_name(info)}` holding the model repository at its root"
+           + (" (`ReadOnlyMany` or `ReadWriteMany`: every pod of the group mounts it)" if info.multi_node else ""))
+    if pull is None:
+        return [f"1. The repository comes from a volume you fill (no `cache.remote` was set, e.g. an air-gapped "
+                f"cluster): create {pvc}. With `kiln build --cache oci://…` the pods pull it themselves instead."]
+    host = pull.cache.split("://", 1)[1].split("/", 1)[0]
+    return [
+        f"1. Create the registry Secret (the only object made by hand; skip it if `{host}` allows anonymous pulls):",
+        "",
+        "   ```sh",
+        f"   kubectl create secret docker-registry {pull.registry_secret} --docker-server={host} \\",
+        "     --docker-username=... --docker-password=...",
+        "   ```",
+        "",
+        f"   Every pod's init container `fetch-repo` ({pull.init_image}) pulls the packaged repository `{pull.tag}`",
+        f"   by its digest `{pull.digest}` from `{pull.cache}` into "
+        + (f"the PersistentVolumeClaim `{pull.cache_pvc}` (one folder per digest, reused by later pods)"
+           if pull.cache_pvc else "the pod's emptyDir")
+        + ", verifies every layer and refuses a repository whose recorded versions disagree with the serving "
+          "image's. The Secret is mounted as its Docker config, never copied into a file kiln writes.",
+        "" if not info.repo_pull or pull.init_image.count("@") else
+        f"   The init image is not pinned: build it with `docker build -f deploy/{info.recipe_name}/Dockerfile.init "
+        f"-t {pull.init_image} .`, push it, and set `serving.init_image` to `name@sha256:…`.",
+        "",
+        f"   Option for air-gapped clusters: package without `cache.remote` and fill {pvc} by hand instead.",
+        "",
+    ]
+
+
+def _readme_sizing(info: DeployInfo) -> list[str]:
+    z = _sizing(info)
+    gib = 1 << 30
+    return [
+        "## Sizing (from the plan: kiln.plan.host)",
+        "",
+        f"Serving container: {z.cpu} CPU requested ({2 * z.cpu} limit), {z.host_memory_bytes / gib:.1f} GiB memory "
+        f"(request = limit), /dev/shm {z.shm_gib} GiB; start-up probe allows {z.startup_seconds} s. {z.basis}.",
+        "",
+        "- host memory = 2 GiB server base + weights staged on the way to the GPUs "
+        f"({z.weights_bytes / gib:.2f} GiB: heaviest rank × ranks on the pod) + 512 MiB per Python model + "
+        "vocabulary × 2 KiB per tokenizer + /dev/shm (memory-backed, counted against the limit)",
+        "- /dev/shm = 1 GiB (Python-backend tensors) + 512 MiB per GPU when the pod has more than one (NCCL)",
+        f"- load time = weights ÷ 500 MB/s = {z.load_seconds:.0f} s; start-up probe = 300 s + 3 × load time",
+        f"- pull time (init step) = repository ÷ 100 MB/s = {z.pull_seconds:.0f} s "
+        f"({z.repo_bytes / gib:.2f} GiB)",
+        "- CPU = 2 + 2 per GPU; the OpenAI sidecar 0.5 (limit 1) CPU, 512 MiB; the init step 0.5 (limit 1) CPU, "
+        "256 MiB (limit 512 MiB)",
+        "",
+    ]
+
+
+#: What the init image installs besides kiln (with --no-deps): the third-party packages kiln.cache imports. The
+#: OpenAI sidecar's list is no substitute: it lacks `requests`. A test keeps this equal to kiln.cache's imports.
+INIT_PACKAGES = ("requests>=2.28",)
+INIT_BASE_IMAGE = "python:3.11-slim"
+
+
+def render_init_dockerfile(info: DeployInfo) -> str:
+    """``Dockerfile.init``: the image of the init step (``python -m kiln.cache.fetch``), built from a kiln source
+    tree: kiln without its dependencies, plus what :mod:`kiln.cache` imports."""
+    assert info.repo_pull is not None
+    packages = " ".join(f'"{p}"' for p in INIT_PACKAGES)
+    return "\n".join([
+        f"# The init step of recipe {info.recipe_name!r}'s deploy files: pulls the packaged repository from the remote",
+        "# cache by digest and verifies it (python -m kiln.cache.fetch). Build it from the root of a kiln source tree,",
+        "# push it, and pin it by digest in serving.init_image:",
+        f"#   docker build -f deploy/{info.recipe_name}/Dockerfile.init -t {info.repo_pull.init_image} .",
+        f"FROM {INIT_BASE_IMAGE}",
+        "COPY pyproject.toml README.md /opt/kiln/",
+        "COPY src /opt/kiln/src",
+        f"RUN pip install --no-cache-dir {packages} \\",
+        "    && pip install --no-cache-dir --no-deps /opt/kiln",
+        f"USER {RUN_AS_UID}:{RUN_AS_UID}",
+        "",
+    ])
 
 
 # -------------------------------------------------------------------------------------------- writing
@@ -798,6 +978,7 @@ def write_deploy_files(info: DeployInfo, out_dir: Path, *, model_repo: Path | st
         written.append(path)
 
     for name, text in (("Dockerfile.multinode", render_multinode_dockerfile(info) if info.multi_node else None),
+                       ("Dockerfile.init", render_init_dockerfile(info) if info.repo_pull is not None else None),
                        ("Dockerfile.openai", openai_sidecar.render_dockerfile(info) if info.openai is not None
                         else None)):
         dockerfile = out_dir / name

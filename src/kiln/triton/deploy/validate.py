@@ -187,11 +187,18 @@ def _check_pod(template: Any, where: str, *, probes: bool = True) -> list[str]:
         problems.append(f"{where}: spec.securityContext.runAsNonRoot: must be true")
     if pod_security.get("runAsUser") == 0:
         problems.append(f"{where}: spec.securityContext.runAsUser: must not be 0 (root)")
-    for c in spec.get("containers") or []:
+    init = [c for c in spec.get("initContainers") or [] if isinstance(c, dict)]
+    for c in [*(spec.get("containers") or []), *init]:
         if not isinstance(c, dict):
             continue
-        at = f"{where}: container {c.get('name', '?')!r}"
-        for probe in ("readinessProbe", "livenessProbe") if probes else ():
+        at = f"{where}: {'init container' if c in init else 'container'} {c.get('name', '?')!r}"
+        resources = c.get("resources") or {}
+        for kind in ("requests", "limits") if probes else ():  # serving pods (a sweep Job sizes its own)
+            missing = [r for r in ("cpu", "memory") if r not in (resources.get(kind) or {})]
+            if missing:
+                problems.append(f"{at}: resources.{kind}: no {' or '.join(missing)} (a pod without them is the "
+                                "first evicted under node pressure)")
+        for probe in ("readinessProbe", "livenessProbe") if probes and c not in init else ():
             if probe not in c:
                 problems.append(f"{at}: no {probe}")
         security = c.get("securityContext") or {}

@@ -181,6 +181,19 @@ class RuntimeSettings:
         return max(1, math.ceil(self.kv_cache_tokens / self.tokens_per_block))
 
 
+def _restored_model(s):
+    """The Hugging Face model in ``model_dir`` (sdpa attention, eval mode) with its ModelOpt state restored."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(s.model_dir, dtype=_DTYPES[s.dtype], attn_implementation="sdpa")
+    model.eval()
+    if s.state_file:
+        import modelopt.torch.opt as mto
+
+        mto.restore(model, s.state_file)
+    return model
+
+
 def read_settings(model_config, args=None):
     """Parse and check the parameters; errors name the parameter and say what is expected."""
     model_dir = resolve_path(args or {}, get_param(model_config, "model_dir"))
@@ -444,15 +457,12 @@ class TritonPythonModel:
     # ------------------------------------------------------------------ set-up
     def _load_model(self, s):
         t0 = time.monotonic()
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # noqa: F401  (imported first: timed apart from the weights)
 
         if s.state_file:
-            import modelopt.torch.opt as mto
+            import modelopt.torch.opt as mto  # noqa: F401
         t1 = time.monotonic()
-        model = AutoModelForCausalLM.from_pretrained(s.model_dir, dtype=_DTYPES[s.dtype], attn_implementation="sdpa")
-        model.eval()
-        if s.state_file:
-            mto.restore(model, s.state_file)
+        model = _restored_model(s)
         self.load_times = {"imports": _MODULE_IMPORT_SECONDS + (t1 - t0), "weights": time.monotonic() - t1}
         return model
 
@@ -623,16 +633,7 @@ class TritonPythonModel:
         self._check_ids(prompt, "input_ids")
         self._check_fits(len(prompt), 1, 0)
         if getattr(self, "_scorer", None) is None:
-            from transformers import AutoModelForCausalLM
-
-            s = self.settings
-            scorer = AutoModelForCausalLM.from_pretrained(s.model_dir, dtype=_DTYPES[s.dtype], attn_implementation="sdpa")
-            scorer.eval()
-            if s.state_file:
-                import modelopt.torch.opt as mto
-
-                mto.restore(scorer, s.state_file)
-            self._scorer = scorer
+            self._scorer = _restored_model(self.settings)
         with torch.no_grad():
             x = torch.tensor([prompt])
             logits = self._scorer(x, attention_mask=torch.ones_like(x)).logits[0].float()
