@@ -141,7 +141,7 @@ def test_bench_writes_json_csv_and_png_that_agree(kiln, background, hf_greedy, t
     # the planner predicts float16 GEMMs (the tiny model is float32, for which no GPU has a tensor-core figure)
     fp16 = tmp_path / "tiny-fp16.yaml"
     fp16.write_text(f"extends: {DEFAULT_RECIPE}\nname: tiny-llama\nmodel:\n  dtype: float16\n")
-    result = kiln("bench", "--url", background.grpc, "--concurrency", "1,2", "--duration", "2", "--output-len",
+    result = kiln("bench", "--url", background.grpc, "--concurrency", "1,2", "--duration", "1", "--output-len",
                   MAX_TOKENS, "--input-len", 8, "--prompts", prompts, "--out", out, "--recipe", fp16,
                   "--gpu", "H100-SXM")
     assert result.exit_code == 0, result.output
