@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.recipe.formats import kv_cache_format_names, weight_format_names
+from kiln.recipe.formats import kv_cache_format_names, weight_format, weight_format_names
 from kiln.recipe.loader import load_recipe
 from kiln.runtime.engine_runtime import workers_dir
 from kiln.steps.quantize import QUANT_RECORD
@@ -33,6 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPE = REPO_ROOT / "configs" / "tiny-llama.yaml"
 STANDIN_SITE = REPO_ROOT / "tests" / "standin_runtime" / "image" / "site"
 WORKER_JOBS = REPO_ROOT / "tests" / "standin_runtime" / "worker_jobs.py"
+QUANTIZE_ONLY = REPO_ROOT / "tests" / "standin_runtime" / "quantize_only.py"
 HUB_REPO = "kiln-test/tiny-llama"
 SMALL = ["quantization.calibration.samples=4", "quantization.calibration.max_seq_len=32", "evaluation.samples=2",
          "evaluation.max_seq_len=32"]
@@ -108,23 +109,31 @@ def test_the_engine_check_in_the_image_env(image_python: Path, tmp_path: Path) -
 # ----------------------------------------------------------------------------------- quantize: format × KV cache
 
 
-def accepted_kv(fmt: str) -> list[str]:
+def accepted_kv(fmt: str) -> dict[str, str]:
     """The KV-cache choices `kiln validate` accepts with ``fmt`` for target tensorrt (quantize in the engine
-    runtime); format none without a KV cache has nothing to calibrate and runs on the host."""
-    found = []
+    runtime), each with the GPU it was validated for: H100-SXM where that runs the pair, else the first GPU of kiln's
+    table that does (NVFP4 needs SM 100+: B200). Format none without a KV cache has nothing to calibrate and runs on
+    the host."""
+    from kiln.recipe.formats import gpus_that_run
+
+    found = {}
     for kv in kv_cache_format_names():
         if fmt == "none" and kv == "none":
             continue
+        gpus = gpus_that_run("tensorrt", fmt, kv)
+        gpu = "H100-SXM" if "H100-SXM" in gpus else next(iter(gpus), "H100-SXM")
         try:
-            recipe_for("target=tensorrt", f"quantization.format={fmt}", f"quantization.kv_cache={kv}")
+            recipe_for(f"hardware.gpu={gpu}", "target=tensorrt", f"quantization.format={fmt}",
+                       f"quantization.kv_cache={kv}")
         except InputError:
             continue
-        found.append(kv)
+        found[kv] = gpu
     return found
 
 
-#: Formats whose fake-quant forward ModelOpt runs only on CUDA ("amax must be a CUDA tensor"): not on this machine.
-CUDA_ONLY = {"nvfp4"}
+#: Formats whose fake-quant forward ModelOpt runs only on CUDA (the registry's ``fake_quant_needs_cuda``): on this
+#: machine they run up to their CUDA-only lines (test_cuda_only_formats_quantize_up_to_their_cuda_lines_...).
+CUDA_ONLY = [f for f in weight_format_names() if weight_format(f).fake_quant_needs_cuda is not None]
 
 
 @matrix
@@ -141,7 +150,8 @@ def test_every_accepted_format_and_kv_cache_quantizes_in_the_image_env(fmt: str,
     assert kvs, f"validate accepts no KV cache with {fmt}"
     jobs = {}
     for kv in kvs:
-        recipe = recipe_for("target=tensorrt", f"quantization.format={fmt}", f"quantization.kv_cache={kv}")
+        recipe = recipe_for(f"hardware.gpu={kvs[kv]}", "target=tensorrt", f"quantization.format={fmt}",
+                            f"quantization.kv_cache={kv}")
         out = tmp_path / kv
         content = quantize_job_file(recipe, job_paths(out, tiny_dir, calib_dir), 4, "float32")
         jobs[kv] = write_job_file(out / "job", "quantize", content)
@@ -152,6 +162,63 @@ def test_every_accepted_format_and_kv_cache_quantizes_in_the_image_env(fmt: str,
     for kv in kvs:
         check_trtllm_checkpoint(tmp_path / kv / TRTLLM_DIR, fmt, kv, 1)
         assert (tmp_path / kv / "checkpoint" / "modelopt_state.pth").is_file()
+
+
+#: ModelOpt 0.37.0's errors where an NVFP4 quantize needs CUDA on a CPU-only torch (exact text, as the worker
+#: reports an exception: ``Type: message``):
+#: * the fake-quant forward: modelopt/torch/quantization/tensor_quant.py:173 (_dynamic_block_quantize_impl);
+#: * the TensorRT-LLM checkpoint export: modelopt/torch/quantization/backends/utils.py:28 (fp4_compatible calls
+#:   torch.cuda.get_device_capability(0) unguarded; 0.47 checks torch.cuda.is_available() first), reached from
+#:   export/quant_utils.py:774 to_quantized_weight -> qtensor/nvfp4_tensor.py:174 NVFP4QTensor.quantize.
+FAKE_QUANT_NEEDS_CUDA = "AssertionError: amax must be a CUDA tensor for dynamic block quantization."
+EXPORT_NEEDS_CUDA = "AssertionError: Torch not compiled with CUDA enabled"
+
+
+@matrix
+@pytest.mark.parametrize("fmt", CUDA_ONLY)
+def test_cuda_only_formats_quantize_up_to_their_cuda_lines_in_the_image_env(fmt: str, image_python: Path,
+                                                                            tmp_path: Path, tiny_dir: Path,
+                                                                            calib_dir: Path) -> None:
+    """NVFP4 (validate accepts it for target tensorrt on SM 100+, with KV cache none or fp8) in the image env, as far
+    as a CPU goes — NOT a full quantize; the rest runs only on a GPU (`kiln doctor`).
+
+    One process of kiln's quantize worker for every accepted KV cache: upstream's calibration (the stand-in
+    quantize_and_export's ``mtq.quantize`` with NVFP4_DEFAULT_CFG, ModelOpt 0.37) completes and the worker saves the
+    calibrated quantizer state; then the worker's own probe forward for the restore check
+    (src/kiln/runtime/workers/quantize.py, ``save_state``: ``logits = model(input_ids=...)``) is the first
+    fake-quant forward, and ModelOpt refuses it off CUDA (FAKE_QUANT_NEEDS_CUDA). A GPU runs the same line; nothing
+    here runs a forward a GPU run would not. Upstream's quantize_and_export itself runs no forward after
+    calibration: its path alone (tests/standin_runtime/quantize_only.py, a second process) calibrates and reaches
+    ``export_tensorrt_llm_checkpoint``, where ModelOpt 0.37's NVFP4 weight packing asks torch for the CUDA device's
+    capability (EXPORT_NEEDS_CUDA; see the constants for the lines). So on a CPU with ModelOpt 0.37 NVFP4 calibrates
+    but neither fake-quantizes nor exports."""
+    from kiln.steps.runtime_jobs import TRTLLM_DIR, quantize_job_file, write_job_file
+
+    kvs = accepted_kv(fmt)
+    assert kvs, f"validate accepts no KV cache with {fmt}"
+    jobs = {}
+    for kv, gpu in kvs.items():
+        recipe = recipe_for(f"hardware.gpu={gpu}", "target=tensorrt", f"quantization.format={fmt}",
+                            f"quantization.kv_cache={kv}")
+        content = quantize_job_file(recipe, job_paths(tmp_path / kv, tiny_dir, calib_dir), 4, "float32")
+        jobs[kv] = write_job_file(tmp_path / kv / "job", "quantize", content)
+    worker = run_in_image(image_python, [str(WORKER_JOBS), str(workers_dir() / "quantize.py"),
+                                         *map(str, jobs.values())])
+    outcome = last_json(worker.stdout)
+    assert {kv: outcome[str(path)] for kv, path in jobs.items()} == {kv: FAKE_QUANT_NEEDS_CUDA for kv in jobs}, \
+        worker.stderr[-3000:]
+    assert worker.stderr.count("in save_state\n") == len(jobs), worker.stderr[-3000:]  # the probe, not calibration
+    for kv in kvs:
+        assert (tmp_path / kv / "checkpoint" / "modelopt_state.pth").stat().st_size > 0  # calibrated, state saved
+        assert not (tmp_path / kv / TRTLLM_DIR / "config.json").exists()
+
+    upstream = run_in_image(image_python, [str(WORKER_JOBS), str(QUANTIZE_ONLY), *map(str, jobs.values())])
+    outcome = last_json(upstream.stdout)
+    assert {kv: outcome[str(path)] for kv, path in jobs.items()} == {kv: EXPORT_NEEDS_CUDA for kv in jobs}, \
+        upstream.stderr[-3000:]
+    for line in ("in quantize_and_export\n    export_tensorrt_llm_checkpoint(", "in quantize\n    fp4_compatible()",
+                 "in fp4_compatible\n"):
+        assert upstream.stderr.count(line) == len(jobs), (line, upstream.stderr[-3000:])
 
 
 # ----------------------------------------------------------------------------------- unified export (target pytorch)
