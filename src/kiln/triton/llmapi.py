@@ -398,6 +398,8 @@ RECIPE_MAPPING: dict[str, tuple[str, str]] = {
     "engine.multiple_profiles": ("dropped", "TensorRT optimisation profiles; nothing is compiled"),
     "engine.remove_input_padding": ("dropped", "the PyTorch backend always packs inputs"),
     "engine.workers": ("dropped", "parallel engine builds; nothing is built"),
+    "engine.gather_context_logits": ("dropped", "a trtllm-build switch; the llmapi model asks the LLM for prompt "
+                                     "log-probs per request (SamplingParams(prompt_logprobs=1)) instead"),
     "engine.speculative.mode": ("arg", "speculative_config.decoding_type (draft_tokens_external → DraftTarget, "
                                 "eagle → Eagle, ngram → NGram, mtp → MTP; medusa, lookahead_decoding and "
                                 "explicit_draft_tokens are refused)"),

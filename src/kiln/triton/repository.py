@@ -99,6 +99,7 @@ def standin_engine_config(recipe: Recipe, max_seq_len: int, quantization: Option
             "max_beam_width": b.max_beam_width, "kv_cache_type": b.kv_cache_type,
             "max_draft_len": b.speculative.max_draft_len,
             "speculative_decoding_mode": b.speculative.mode,
+            "gather_context_logits": b.gather_context_logits,
             "plugin_config": {"tokens_per_block": b.tokens_per_block, "context_fmha": b.context_fmha,
                               "use_paged_context_fmha": b.use_paged_context_fmha,
                               "use_fp8_context_fmha": b.use_fp8_context_fmha,
@@ -464,7 +465,9 @@ def write_repository(inp: RepoInputs, out: Path, max_seq_len: int, final: Option
                    "logits_dtype": (engine_cfg.get("pretrained_config") or {}).get("logits_dtype"),
                    "max_batch_size": engine_cfg["build_config"].get("max_batch_size"),
                    "max_input_len": engine_cfg["build_config"].get("max_input_len"),
-                   "max_seq_len": engine_cfg["build_config"].get("max_seq_len")},
+                   "max_seq_len": engine_cfg["build_config"].get("max_seq_len"),
+                   # whether the engine keeps prompt logits: the OpenAI server scores prompts (echo) only then
+                   "gather_context_logits": bool(engine_cfg["build_config"].get("gather_context_logits", False))},
         "container": container,
         "streaming": r.serving.streaming,
         "world_size": world,
