@@ -165,6 +165,20 @@ def render(config) -> str:
 
 # ------------------------------------------------------------------------------------------------ model configs
 
+#: Inputs upstream declares required that kiln declares optional, so that a request without them reaches kiln's
+#: preprocessing model, which answers with an error naming the missing input. Triton core checks required inputs
+#: by count only (a request with as many inputs as the model requires passes, whichever they are), and an ensemble
+#: whose first step never gets its input ends with no response: HTTP generate answers 200 with "generate expects
+#: model to produce exactly 1 response", a gRPC stream an empty final response (tritonserver 2.x, seen with the
+#: session's real server; tests/test_openai_serving_errors.py). The ensemble's steps are unchanged.
+CHECKED_BY_PREPROCESSING = {"ensemble": ("text_input", "max_tokens"), "preprocessing": ("QUERY", "REQUEST_OUTPUT_LEN")}
+
+
+def _checked_by_preprocessing(c) -> None:
+    for t in c.input:
+        if t.name in CHECKED_BY_PREPROCESSING[c.name]:
+            t.optional = True
+
 
 def preprocessing_config(r: Recipe, max_seq_len: int):
     up = MODELS["preprocessing"]
@@ -172,6 +186,7 @@ def preprocessing_config(r: Recipe, max_seq_len: int):
     cpu_instances(c, r.serving.preprocessing_instances)
     set_parameters(c, {"tokenizer_dir": "1/tokenizer", "add_special_tokens": r.serving.add_special_tokens,
                 "max_input_len": r.engine.max_input_len, "max_seq_len": max_seq_len})
+    _checked_by_preprocessing(c)
     return c
 
 
@@ -301,6 +316,7 @@ def ensemble_config(r: Recipe, trt_inputs: set[str], trt_outputs: set[str]):
             st.input_map[mt] = et
         for mt, et in omap:
             st.output_map[mt] = et
+    _checked_by_preprocessing(c)
     return c
 
 
