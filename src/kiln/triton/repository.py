@@ -279,10 +279,12 @@ PROMPT_SCORING = ("return_prompt_log_probs", (("prompt_log_probs", "TYPE_FP32"),
 
 
 def add_prompt_scoring(c) -> None:
-    """Declare :data:`PROMPT_SCORING` on a reference tensorrt_llm config (an optional input and three outputs)."""
+    """Declare :data:`PROMPT_SCORING` on a reference or llmapi tensorrt_llm config (an optional input and three
+    outputs)."""
     name, outputs = PROMPT_SCORING
     t = c.input.add(name=name, data_type=mc.TYPE_BOOL, dims=[1], optional=True)
-    t.reshape.SetInParent()  # reshape: [ ] (a scalar per request), as upstream declares its flags
+    if c.max_batch_size > 0:  # Triton refuses an empty reshape on a non-batching model (the llmapi one)
+        t.reshape.SetInParent()  # reshape: [ ] (a scalar per request), as upstream declares its flags
     for out, dtype in outputs:
         c.output.add(name=out, data_type=mc.DataType.Value(dtype), dims=[-1])
 
