@@ -21,9 +21,9 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
 	$(VENV)/bin/python -m pip install -q -e '.[serve,dev,eval]'
-	# Dynamo cannot be an extra of kiln's: ai-dynamo depends on aisimulate==0.13.0, a stub that downloads from
-	# another index (refused here), so the two wheels go in with --no-deps, then their other requirements
-	# (ai-dynamo-runtime wants pydantic<=2.13.5 and uvloop).
+# Dynamo cannot be an extra of kiln's: ai-dynamo depends on aisimulate==0.13.0, a stub that downloads from
+# another index (refused here), so the two wheels go in with --no-deps, then their other requirements
+# (ai-dynamo-runtime wants pydantic<=2.13.5 and uvloop).
 	$(VENV)/bin/python -m pip install -q --no-deps "ai-dynamo==$(DYNAMO_VERSION)" "ai-dynamo-runtime==$(DYNAMO_VERSION)"
 	$(VENV)/bin/python -m pip install -q "pydantic>=2.10.6,<=2.13.5" "uvloop>=0.21.0" "aiohttp>=3.14.3,<4.0" \
 	  "certifi>=2026.10.19" "kubernetes>=32.0.1,<33.0.0" "msgspec>=0.19.0" "prometheus-client>=0.23.1,<1.0" \

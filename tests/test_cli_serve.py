@@ -141,7 +141,7 @@ def test_bench_writes_json_csv_and_png_that_agree(kiln, background, hf_greedy, t
     # the planner predicts float16 GEMMs (the tiny model is float32, for which no GPU has a tensor-core figure)
     fp16 = tmp_path / "tiny-fp16.yaml"
     fp16.write_text(f"extends: {DEFAULT_RECIPE}\nname: tiny-llama\nmodel:\n  dtype: float16\n")
-    result = kiln("bench", "--url", background.grpc, "--concurrency", "1,2", "--duration", "2", "--output-len",
+    result = kiln("bench", "--url", background.grpc, "--concurrency", "1,2", "--duration", "1", "--output-len",
                   MAX_TOKENS, "--input-len", 8, "--prompts", prompts, "--out", out, "--recipe", fp16,
                   "--gpu", "H100-SXM")
     assert result.exit_code == 0, result.output
@@ -325,7 +325,11 @@ def test_plan_prints_the_tables_and_json_of_a_shipped_gpu_recipe(kiln):
     data = json.loads(as_json.output)
     loaded = load_recipe(recipe)
     expected = plan_for(loaded, "H100-SXM")
+    from kiln.plan.workers import recipe_worker_memory
+
+    workers = data.pop("workers")  # the engine-runtime workers' memory check, beside the serving plan
     assert data == json.loads(json.dumps(expected.to_dict()))  # the planner's answer, for the recipe's GPU
+    assert workers == json.loads(json.dumps(recipe_worker_memory(loaded, expected).to_dict()))
     assert data["gpu"]["name"] == "H100-SXM" and data["weights"]["format"] == "fp8"
 
     table = kiln("plan", recipe)

@@ -148,3 +148,103 @@ def test_a_broken_manifest_fails_validation(written, break_it, expected) -> None
     break_it(broken)
     problems = validate_graph_deployment(broken, kubernetes_versions=("1.30",))
     assert any(expected in p for p in problems), problems
+
+
+def _disagg(written) -> dict:
+    out, _ = written
+    return list(yaml.safe_load_all((out / "dynamo" / "k8s" / "graph-disaggregated.yaml").read_text()))[1]
+
+
+def test_the_v1beta1_rules_the_outline_keeps(written) -> None:
+    """Dynamo 1.6.1 writes planner and epp components too (the outline used to refuse them); names are unique
+    case-insensitively, at most one epp, at most 25 components (the v1beta1 types' rules)."""
+    graph = _disagg(written)
+    planner = copy.deepcopy(graph)
+    planner["spec"]["components"][2]["type"] = "planner"
+    assert validate_graph_deployment(planner, kubernetes_versions=("1.30",)) == []
+    twice = copy.deepcopy(graph)
+    twice["spec"]["components"][2]["name"] = "PREFILL"
+    assert validate_graph_deployment(twice, kubernetes_versions=("1.30",)) == [
+        "DynamoGraphDeployment: spec.components: name 'prefill' appears twice (names must be unique "
+        "case-insensitively)"]
+    epp = copy.deepcopy(graph)
+    for comp in epp["spec"]["components"][1:]:
+        comp["type"] = "epp"
+    assert "at most one component may have type epp" in " ".join(
+        validate_graph_deployment(epp, kubernetes_versions=("1.30",)))
+    many = copy.deepcopy(graph)
+    many["spec"]["components"] = [dict(graph["spec"]["components"][1], name=f"w{i}") for i in range(26)]
+    assert any("spec.components: " in p and "is too long" in p
+               for p in validate_graph_deployment(many, kubernetes_versions=("1.30",)))
+
+
+def test_the_data_says_the_stored_crd_is_not_1_6_1s() -> None:
+    from kiln.triton.deploy.dynamo import dynamo_data
+
+    crd = dynamo_data()["sources"]["crd"]
+    assert crd["commit"] == "967e177cc5754a5c26c038744fd02f435600954c"
+    assert crd["note"].startswith("NOT the 1.6.1 CRD") and "v1alpha1" in crd["note"]
+
+
+def test_crd_schemas_are_validated_as_the_api_server_does() -> None:
+    """kiln.triton.deploy.crd on a fragment of upstream's own CRD (tests/data/dynamo_crd, with its source):
+    int-or-string quantities, unknown fields refused (strict), enums, bounds; CEL rules listed, not run."""
+    from kiln.triton.deploy.crd import cel_rules, crd_validator
+
+    schema = yaml.safe_load((Path(__file__).parent / "data" / "dynamo_crd" / "v1alpha1_spec_fragment.yaml").read_text())
+    v = crd_validator(schema)
+
+    def errors(doc) -> list[str]:
+        return sorted(f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in v.iter_errors(doc))
+
+    good = {"backendFramework": "trtllm", "restart": {"id": "r1", "strategy": {"type": "Parallel"}},
+            "pvcs": [{"name": "a", "size": 50}, {"name": "b", "size": "100Gi", "create": True}]}
+    assert errors(good) == []
+    assert errors({"pvcs": [{"name": "a", "size": 1.5}]}) == ["pvcs.0.size: 1.5 is not of type 'integer', 'string'"]
+    assert errors({"pvcs": [{"name": "a", "size": "lots"}]})[0].startswith("pvcs.0.size: 'lots' does not match")
+    assert errors({"pvcs": [{"name": "a", "sise": "1Gi"}]}) == [
+        "pvcs.0: Additional properties are not allowed ('sise' was unexpected)"]
+    assert errors({"restart": {"id": ""}, "backendFramework": "tgi"}) == [
+        "backendFramework: 'tgi' is not one of ['sglang', 'vllm', 'trtllm']", "restart.id: '' should be non-empty"]
+    assert [(where, msg) for where, _, msg in cel_rules(schema)] == [
+        ("pvcs[]", "When create is true, size, storageClass, and volumeAccessMode are required")]
+    keyed = crd_validator({"type": "array", "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"],
+                           "items": {"type": "object", "x-kubernetes-embedded-resource": True,
+                                     "x-kubernetes-preserve-unknown-fields": True,
+                                     "properties": {"name": {"type": "string"}}}})
+    assert [e.message for e in keyed.iter_errors([{"name": "x", "apiVersion": "v1", "kind": "K", "extra": 1},
+                                                  {"name": "x", "apiVersion": "v1"}])] == [
+        "item 1 has the same name ['x'] as item 0 (x-kubernetes-list-type: map)",
+        "'kind' is a required property (x-kubernetes-embedded-resource)"]
+
+
+def test_kiln_checks_every_cel_rule_of_the_graph_schema_itself() -> None:
+    """The CRD's CEL rules are not run offline: each one in the data has a check in validate_graph_deployment."""
+    from kiln.triton.deploy.crd import cel_rules
+    from kiln.triton.deploy.dynamo import dynamo_data
+
+    messages = {msg for _, _, msg in cel_rules(dynamo_data()["graph_deployment"]["schema"])}
+    assert messages == {"at most one component may have type epp",
+                        "component names must be unique case-insensitively"}
+
+
+def test_dynamo_1_6_1s_own_graph_templates_fit_the_schema() -> None:
+    """The DynamoGraphDeployments the installed Dynamo 1.6.1 itself writes (its profiler's templates for every backend)
+    pass the graph schema kiln validates against: the outline refuses nothing upstream writes."""
+    from importlib import resources
+
+    from kiln.serve.dynamo import dynamo_available
+    from kiln.triton.deploy.crd import crd_validator
+    from kiln.triton.deploy.dynamo import dynamo_data
+
+    why = dynamo_available()
+    if why:
+        pytest.skip(why)
+    validator = crd_validator(dynamo_data()["graph_deployment"]["schema"])
+    root = resources.files("dynamo.profiler").joinpath("templates", "dgd")
+    templates = [(f"{b.name}/{t.name}", yaml.safe_load(t.read_text())) for b in root.iterdir() if b.is_dir()
+                 for t in b.iterdir() if t.name.endswith(".yaml")]
+    assert len(templates) >= 6
+    for name, doc in templates:
+        assert doc["apiVersion"] == dynamo_data()["graph_deployment"]["apiVersion"], name
+        assert [e.message for e in validator.iter_errors(doc)] == [], name

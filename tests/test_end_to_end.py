@@ -88,7 +88,7 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, body
 
 
 def test_bench_32_streaming_clients_zero_errors_and_greedy_outputs(server, greedy_reference, tmp_path):
-    cfg = BenchConfig(url=server.urls()["grpc"], concurrency=(32,), duration_s=6, prompts=tuple(PROMPTS),
+    cfg = BenchConfig(url=server.urls()["grpc"], concurrency=(32,), duration_s=2, prompts=tuple(PROMPTS),
                       output_len=MAX_TOKENS, expected=greedy_reference, request_timeout_s=120)
     report = run_bench(cfg)
     level = report.levels[0]

@@ -119,20 +119,15 @@ def test_server_command_is_the_leader_form_for_several_ranks(tmp_path, tokenizer
     assert info["check_command"] == ["python3", "/models/kiln_check_engine.py", "/models"]
 
 
-def test_server_command_names_the_final_repository_not_a_temporary_one(tmp_path: Path) -> None:
-    """It named `.tiny-llama.tmp-2811-f17134d0` (the package step's temporary output) in a fresh build."""
-    from kiln.pipeline import runner
-    from tests.test_step_contracts import RECIPE
-
-    layout = runner.Layout(tmp_path / "build", tmp_path / "triton_repo")
-    loaded = load_recipe(RECIPE, ["quantization.format=int8_sq", "quantization.calibration.samples=4",
-                                  "quantization.calibration.max_seq_len=32", "evaluation.samples=2",
-                                  "evaluation.max_seq_len=32"])
-    summary = runner.run(loaded, layout, progress=False)
-    assert summary.failure is None, summary.failure
-    cmd = json.loads((tmp_path / "triton_repo" / "tiny-llama" / "kiln.json").read_text())["server_command"]
+def test_server_command_names_the_final_repository_not_a_temporary_one(default_build) -> None:
+    """It named `.tiny-llama.tmp-2811-f17134d0` (the package step's temporary output) in a fresh build. The
+    session's default build is such a fresh build by the real pipeline (its package step wrote kiln.json into
+    the temporary directory and renamed it), so it is checked rather than building the recipe again."""
+    _, layout, repo = default_build
+    assert repo == layout.repo_root / "tiny-llama"
+    cmd = json.loads((repo / "kiln.json").read_text())["server_command"]
     repo_arg = next(a for a in cmd if a.startswith("--model-repository="))
-    assert repo_arg == f"--model-repository={tmp_path / 'triton_repo' / 'tiny-llama'}"
+    assert repo_arg == f"--model-repository={repo}"
     assert ".tmp-" not in " ".join(cmd)
 
 

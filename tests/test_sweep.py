@@ -131,7 +131,7 @@ def test_bench_sweep_plots_each_points_throughput_against_latency(tmp_path, monk
         "set": {"quantization.format": "int8_sq", **FAST_SET},
         "axes": {"serving.cpu_threads": [1, 2]},
         "measure": ["bench"],
-        "bench": {"concurrency": [1, 2], "duration_s": 1.0, "input_len": 8, "output_len": 8},
+        "bench": {"concurrency": [1, 2], "duration_s": 0.5, "input_len": 8, "output_len": 8},
     }))
     drawn: dict[str, list[tuple[str, list[float], list[float]]]] = {}
     savefig = Figure.savefig

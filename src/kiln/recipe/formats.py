@@ -29,6 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from kiln.recipe.gpus import GPUS
 
 __all__ = [
+    "pytorch_release_formats",
+    "release_refusal",
     "Registry",
     "WeightFormat",
     "KVCacheFormat",
@@ -247,6 +249,25 @@ class QuantAlgos(_Frozen):
         return frozenset(self.members) - frozenset(self.kv_cache_only)
 
 
+class Dropped(_Frozen):
+    """A format a release's PyTorch backend no longer runs."""
+
+    format: str
+    why: str
+
+
+class PytorchRelease(_Frozen):
+    """The formats one TensorRT-LLM release's PyTorch backend runs: the pinned release's are the ``support.pytorch``
+    entries; a later one is ``same_as`` another minus what it ``drops``."""
+
+    verified: bool
+    source: str
+    note: str
+    same_as: Optional[str] = None
+    drops: tuple[Dropped, ...] = ()
+    drops_kv: tuple[Dropped, ...] = ()
+
+
 class Registry(_Frozen):
     """The whole data file, validated: every cross-reference resolves and every format covers every target."""
 
@@ -256,6 +277,7 @@ class Registry(_Frozen):
     weight_formats: dict[str, WeightFormat]
     kv_cache_formats: dict[str, KVCacheFormat]
     trtllm_quant_algos: QuantAlgos
+    pytorch_releases: dict[str, PytorchRelease]
 
     @model_validator(mode="before")
     @classmethod
@@ -310,6 +332,19 @@ class Registry(_Frozen):
                 if value is not None and value not in valid:
                     problems.append(f"{table}.{name}.{algo_field}: {value!r} is not one TensorRT-LLM "
                                     f"{self.pinned.get('tensorrt_llm', '')} accepts")
+        pinned = self.pinned.get("tensorrt_llm")
+        if pinned not in self.pytorch_releases or self.pytorch_releases[pinned].same_as is not None:
+            problems.append(f"pytorch_releases: needs an entry for the pinned release {pinned!r} without same_as")
+        for version, rel in self.pytorch_releases.items():
+            key = f"pytorch_releases.{version}"
+            if rel.source not in self.sources:
+                problems.append(f"{key}.source: unknown source {rel.source!r}")
+            if rel.same_as is not None and rel.same_as not in self.pytorch_releases:
+                problems.append(f"{key}.same_as: unknown release {rel.same_as!r}")
+            problems += [f"{key}.drops: unknown weight format {d.format!r}" for d in rel.drops
+                         if d.format not in self.weight_formats]
+            problems += [f"{key}.drops_kv: unknown KV-cache format {d.format!r}" for d in rel.drops_kv
+                         if d.format not in self.kv_cache_formats]
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -519,3 +554,50 @@ def why_unsupported(name: str, target_name: str, sm: Optional[int] = None) -> Op
     None when it runs."""
     found = format_refusal(name, target_name, sm)
     return None if found is None else str(found)
+
+
+def pytorch_release_formats(version: str, reg: Optional[Registry] = None) -> Optional[tuple[tuple[str, ...],
+                                                                                          tuple[str, ...]]]:
+    """(weight formats, KV-cache formats) TensorRT-LLM ``version``'s PyTorch backend runs, registry order; None when
+    the registry has no entry for the release."""
+    reg = reg or registry()
+    rel = reg.pytorch_releases.get(version)
+    if rel is None:
+        return None
+    if rel.same_as is None:
+        base = ([f.name for f in reg.weight_formats.values() if f.support["pytorch"].unsupported is None],
+                [f.name for f in reg.kv_cache_formats.values() if f.support["pytorch"].unsupported is None])
+    else:
+        found = pytorch_release_formats(rel.same_as, reg)
+        assert found is not None  # the registry checks same_as
+        base = (list(found[0]), list(found[1]))
+    dropped, dropped_kv = {d.format for d in rel.drops}, {d.format for d in rel.drops_kv}
+    return (tuple(n for n in base[0] if n not in dropped), tuple(n for n in base[1] if n not in dropped_kv))
+
+
+def release_refusal(weight: str, kv: str, version: str, reg: Optional[Registry] = None) -> list[tuple[str, Refusal]]:
+    """(recipe key, refusal) for each of the weight and KV-cache formats TensorRT-LLM ``version``'s PyTorch backend
+    does not run by the registry's ``pytorch_releases`` (a release without an entry refuses both), naming the
+    release. Formats no release runs on target pytorch are :func:`format_refusal`'s to explain, not this one's."""
+    reg = reg or registry()
+    found = pytorch_release_formats(version, reg)
+    if found is None:
+        known = ", ".join(reg.pytorch_releases)
+        return [("engine_runtime.trtllm_version",
+                 Refusal(f"kiln does not know which formats TensorRT-LLM {version}'s PyTorch backend runs "
+                         "(formats.yaml pytorch_releases)",
+                         f"use a release with an entry ({known}), or add one with its source", "pytorch_releases"))]
+    rel = reg.pytorch_releases[version]
+    out = []
+    for key, name, table, runs, drops in (
+            ("quantization.format", weight, reg.weight_formats, found[0], rel.drops),
+            ("quantization.kv_cache", kv, reg.kv_cache_formats, found[1], rel.drops_kv)):
+        if name in runs or table[name].support["pytorch"].unsupported is not None:
+            continue
+        why = next((d.why for d in drops if d.format == name), "dropped by the release it is the same as")
+        label = "weight" if key == "quantization.format" else "KV-cache"
+        out.append((key, Refusal(f"TensorRT-LLM {version}'s PyTorch backend does not run {table[name].label} "
+                                 f"({why}; source: {reg.sources[rel.source].title})",
+                                 f"use {key}: one of {', '.join(runs)} ({label} formats {version} runs), or "
+                                 "another engine_runtime.trtllm_version", rel.source)))
+    return out

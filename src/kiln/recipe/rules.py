@@ -56,6 +56,19 @@ def format_vs_target(r: Recipe) -> Iterator[Problem]:
 
 
 @rule
+def format_vs_release(r: Recipe) -> Iterator[Problem]:
+    """Target pytorch: the formats the chosen TensorRT-LLM release's PyTorch backend runs (the registry's
+    pytorch_releases), naming the release."""
+    if r.target != "pytorch":
+        return
+    from kiln.recipe.formats import release_refusal
+
+    for key, refusal in release_refusal(r.quantization.format, r.quantization.kv_cache,
+                                        r.engine_runtime.trtllm_version.strip()):
+        yield err(key, refusal.reason, refusal.hint)
+
+
+@rule
 def reference_target_limits(r: Recipe) -> Iterator[Problem]:
     if r.target == "reference" and r.parallelism.tp * r.parallelism.pp > 1:
         yield err("parallelism", "the reference target runs one CPU process (tp = pp = 1)",

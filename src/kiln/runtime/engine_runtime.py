@@ -25,6 +25,7 @@ image's digest comes from ``docker image inspect`` (or the reference itself when
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -277,7 +278,8 @@ class EngineRuntime:
                 if status is not None:
                     status(f"{job.name} in {self.describe()} ({time.monotonic() - started:.0f}s) "
                            f"{_last_line(log)[:80]}")
-                time.sleep(0.5)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=0.5)  # the same status cadence, but back as soon as the job exits
         text = log.read_text(encoding="utf-8", errors="replace")
         if proc.returncode != 0:
             tail = "".join(text.splitlines(keepends=True)[-20:])

@@ -4,9 +4,10 @@ A repository is llmapi-shaped when its ``tensorrt_llm`` model is a Python model 
 model.yaml parses; its ``triton_config`` is what the pinned llmapi model reads (``decoupled``, ``max_batch_size`` 0)
 and config.pbtxt says the same (a server started with ``--disable-auto-complete-config`` serves config.pbtxt, and
 upstream's auto_complete_config would overwrite it with triton_config otherwise: either way a disagreement means
-the repository does not do what one of them says); every other key is an LLM argument of TensorRT-LLM 1.2.1 with a
-value of its type; the tensors are the llmapi contract's; the checkpoint ``model`` names exists and its
-``hf_quant_config.json`` names a format the PyTorch backend runs.
+the repository does not do what one of them says); every other key is an LLM argument of the TensorRT-LLM release
+kiln.json records (``llm_args_version``; 1.2.1 for a repository without one) with a value of its type; the tensors
+are the llmapi contract's; the checkpoint ``model`` names exists and its ``hf_quant_config.json`` names a format the
+PyTorch backend runs.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ from typing import Iterable, Optional
 import yaml
 from tritonclient.grpc import model_config_pb2
 
-from kiln.recipe.formats import format_refusal, kv_refusal, registry
+from kiln.recipe.formats import format_refusal, kv_refusal, registry, release_refusal
 from kiln.triton.lint import CONTAINER_MODEL_ROOT, TRTLLM_MODEL, Finding, Model
 from kiln.triton.llmapi import (
+    DEFAULT_LLM_ARGS_VERSION,
     MODEL_YAML,
     check_llm_args,
     check_triton_config,
     contract_tensors,
+    llm_args_versions,
     llmapi_model_data,
 )
 
@@ -54,8 +57,9 @@ def _checkpoint(value: object, m: Model, repo: Path) -> Optional[Path]:
     return p if p.is_absolute() else m.dir / "1" / p
 
 
-def _quantization(m: Model, file: str, line: Optional[int], ckpt: Path) -> Iterable[Finding]:
-    """The checkpoint's hf_quant_config.json against the pytorch target's support (the format registry)."""
+def _quantization(m: Model, file: str, line: Optional[int], ckpt: Path, version: str) -> Iterable[Finding]:
+    """The checkpoint's hf_quant_config.json against the pytorch target's support and TensorRT-LLM ``version``'s (the
+    format registry)."""
     path = ckpt / "hf_quant_config.json"
     if not path.is_file():
         return
@@ -75,6 +79,10 @@ def _quantization(m: Model, file: str, line: Optional[int], ckpt: Path) -> Itera
                           (kv, kv_refusal(kv, "pytorch") if kv else None)):
         if refusal is not None:
             yield Finding("error", m.name, file, line, f"the checkpoint is {name}: {refusal.reason}", refusal.hint)
+    for key, refusal in release_refusal(weight or "none", kv or "none", version):
+        if key != "engine_runtime.trtllm_version":  # an unknown release is _args_version's finding
+            yield Finding("error", m.name, file, line, f"the checkpoint is {weight if 'format' in key else kv}: "
+                          f"{refusal.reason}", refusal.hint)
 
 
 def check_llmapi(m: Model, repo: Path, kiln_info: dict) -> list[Finding]:
@@ -96,11 +104,15 @@ def check_llmapi(m: Model, repo: Path, kiln_info: dict) -> list[Finding]:
         key = problem.split(":", 1)[0]
         findings.append(Finding("error", m.name, file, _line(text, key) or _line(text, "triton_config"), problem,
                                 "set triton_config.max_batch_size: 0 and triton_config.decoupled: true|false"))
-    for problem in check_llm_args({k: v for k, v in data.items() if k != "triton_config"}):
+    version, problem = _args_version(kiln_info)
+    if problem is not None:
+        findings.append(Finding("error", m.name, str(repo / "kiln.json"), None, problem,
+                                f"package again with a version kiln has a table for ({', '.join(llm_args_versions())})"))
+    for problem in check_llm_args({k: v for k, v in data.items() if k != "triton_config"}, version):
         key = problem.split(":", 1)[0]
         findings.append(Finding("error", m.name, file, _line(text, key), problem,
-                                "use the LLM argument's name and type (kiln/triton/data/llm_args/<version>.yaml, from "
-                                "TensorRT-LLM 1.2.1's llm_args.py); upstream refuses unknown keys at load"))
+                                f"use the LLM argument's name and type (kiln/triton/data/llm_args/{version}.yaml, "
+                                f"from TensorRT-LLM {version}'s llm_args.py); upstream refuses unknown keys at load"))
     tc = data.get("triton_config") if isinstance(data.get("triton_config"), dict) else {}
     cfg_file = str(m.config_path)
     if "max_batch_size" in tc and m.config.max_batch_size != tc["max_batch_size"]:
@@ -126,11 +138,25 @@ def check_llmapi(m: Model, repo: Path, kiln_info: dict) -> list[Finding]:
         findings.append(Finding("error", m.name, file, line, f"checkpoint {ckpt} has no config.json",
                                 "copy the unified checkpoint there (kiln package does) or fix model"))
     else:
-        findings += _quantization(m, file, line, ckpt)
+        findings += _quantization(m, file, line, ckpt, version)
     if not (m.dir / "1" / "model.py").is_file():
         findings.append(Finding("error", m.name, str(m.dir / "1"), None, "no model.py",
                                 "ship the llmapi model.py (kiln's, or upstream's all_models/llmapi)"))
     return findings
+
+
+def _args_version(kiln_info: dict) -> tuple[str, Optional[str]]:
+    """The TensorRT-LLM release whose LLM arguments the repository is checked against: the ``llm_args_version``
+    kiln.json records (a repository made by hand, without one: 1.2.1, the Triton image's), and the problem when
+    kiln has no table for the recorded one (then 1.2.1's table is used)."""
+    recorded = kiln_info.get("llm_args_version") if isinstance(kiln_info, dict) else None
+    if recorded is None:
+        return DEFAULT_LLM_ARGS_VERSION, None
+    if str(recorded) not in llm_args_versions():
+        return DEFAULT_LLM_ARGS_VERSION, (f"kiln.json records llm_args_version {recorded!r}, a TensorRT-LLM release "
+                                          f"kiln has no LLM-argument table for (checked against "
+                                          f"{DEFAULT_LLM_ARGS_VERSION}'s instead)")
+    return str(recorded), None
 
 
 def _tensors(m: Model) -> Iterable[Finding]:

@@ -447,5 +447,8 @@ RECIPE_MAPPING: dict[str, tuple[str, str]] = {
     "serving.dynamo_workers": ("same", "the aggregated DynamoGraphDeployment's worker replicas (deploy/<recipe>/dynamo)"),
     "serving.dynamo_prefill_workers": ("same", "the disaggregated DynamoGraphDeployment's prefill replicas"),
     "serving.dynamo_decode_workers": ("same", "the disaggregated DynamoGraphDeployment's decode replicas"),
+    "serving.init_image": ("same", "the deploy files' init step that pulls the packaged repository (cache.remote)"),
+    "serving.registry_secret": ("same", "the Secret the init step reads the remote cache's credentials from"),
+    "serving.repo_cache_pvc": ("same", "the volume the init step pulls the repository into (reused across pods)"),
 }
 

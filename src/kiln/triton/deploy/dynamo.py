@@ -21,9 +21,10 @@ arguments) and the recipe:
 
 The object builders are one function per object (:func:`frontend_component`, :func:`worker_component`,
 :func:`options_configmap`, :func:`graph_deployment`) so later steps (init containers, plan-based sizing) can extend
-them. :func:`validate_graph_deployment` checks an object offline against the pinned structure of the chosen Dynamo
-release (``kiln/triton/data/dynamo/dynamo-<version>.yaml``, with its source) and each pod template against
-Kubernetes' own PodTemplateSpec schema (strict).
+them. :func:`validate_graph_deployment` checks an object offline against an outline of the chosen Dynamo release's
+v1beta1 structure (``kiln/triton/data/dynamo/dynamo-<version>.yaml``, with its sources; not the CRD itself: the only
+stored CRDs are v1alpha1-only, see the data file), written in the CRD's own dialect and validated as the API server
+does (:mod:`kiln.triton.deploy.crd`), and each pod template against Kubernetes' own PodTemplateSpec schema (strict).
 """
 
 from __future__ import annotations
@@ -248,20 +249,31 @@ def validate_graph_deployment(doc: Any, where: str = "DynamoGraphDeployment",
     """Every problem of one DynamoGraphDeployment: its structure against Dynamo's (the pinned release's data), each
     component's podTemplate as a strict Kubernetes PodTemplateSpec, and kiln's policy (CPU and memory requested by
     every container, non-root pods, no privilege escalation)."""
-    import jsonschema
-
+    from kiln.triton.deploy.crd import crd_validator
     from kiln.triton.deploy.validate import _validate_core, default_kubernetes_versions
 
     problems: list[str] = []
-    schema = dynamo_data()["graph_deployment"]["schema"]
-    for e in sorted(jsonschema.Draft202012Validator(schema).iter_errors(doc), key=lambda e: list(e.absolute_path)):
+    g = dynamo_data()["graph_deployment"]
+    for e in sorted(crd_validator(g["schema"]).iter_errors(doc), key=lambda e: list(e.absolute_path)):
         path = ".".join(str(p) for p in e.absolute_path) or "(top)"
         problems.append(f"{where}: {path}: {e.message} (Dynamo {DYNAMO_RELEASE} DynamoGraphDeployment)")
     if problems or not isinstance(doc, dict):
         return problems
+    # what the API server routes on: a kind and a version the CRD serves
+    group = g["apiVersion"].split("/", 1)[0]
+    served = [f"{group}/{v}" for v in g["served_versions"]]
+    if doc["apiVersion"] not in served:
+        problems.append(f"{where}: apiVersion: {' or '.join(repr(v) for v in served)} was expected, not "
+                        f"{doc['apiVersion']!r} (the versions Dynamo {DYNAMO_RELEASE}'s CRD serves, as kiln has it)")
+    if doc["kind"] != g["kind"]:
+        problems.append(f"{where}: kind: {g['kind']!r} was expected, not {doc['kind']!r}")
+    # the CRD's CEL rules (x-kubernetes-validations: not run offline) that kiln checks itself
     versions = tuple(kubernetes_versions or default_kubernetes_versions())
-    names = [c["name"] for c in doc["spec"]["components"]]
-    problems += [f"{where}: spec.components: name {n!r} appears twice" for n in set(names) if names.count(n) > 1]
+    names = [c["name"].lower() for c in doc["spec"]["components"]]  # v1beta1: unique case-insensitively
+    problems += [f"{where}: spec.components: name {n!r} appears twice (names must be unique case-insensitively)"
+                 for n in sorted(set(names)) if names.count(n) > 1]
+    if sum(c["type"] == "epp" for c in doc["spec"]["components"]) > 1:
+        problems.append(f"{where}: spec.components: at most one component may have type epp")
     for i, comp in enumerate(doc["spec"]["components"]):
         at = f"{where}: spec.components.{i} ({comp['name']})"
         template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": k8s_name(comp["name"])},
