@@ -147,6 +147,7 @@ def test_with_context_logits_the_server_reduces_them_to_log_probs_and_the_top_al
     assert np.allclose(score.top_log_probs[1:], lp.max(-1).values.tolist(), atol=1e-6)
     assert len(score.top_ids) == len(ids) + 1, "entry n: the greedy next token"
     assert score_from_logits(logits, ids) == score
+    assert score_from_logits(logits, ids, block=2) == score, "the same, a few rows at a time"
 
 
 def test_kiln_json_records_it(default_build) -> None:

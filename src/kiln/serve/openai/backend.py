@@ -112,18 +112,26 @@ class Score:
     top_log_probs: list[float]
 
 
-def score_from_logits(logits: Any, ids: list[int]) -> Score:
+def score_from_logits(logits: Any, ids: list[int], block: int = 64) -> Score:
     """A :class:`Score` from a prompt's context logits (row j: the logits after token j, as TensorRT-LLM's
-    ``context_logits`` and a forward pass give them), flat or [.., n, vocab]; computed in float64."""
+    ``context_logits`` and a forward pass give them), flat or [.., n, vocab]. Computed in float64, ``block`` rows
+    at a time (64 rows of a 128k vocabulary: 64 MiB), so the whole prompt is never copied."""
     import numpy as np
 
     n = len(ids)
-    rows = np.asarray(logits, dtype=np.float64).reshape(n, -1)
-    shifted = rows - rows.max(axis=-1, keepdims=True)
-    lp = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))  # log-softmax over the vocabulary
-    top = lp.argmax(axis=-1)
-    chosen = lp[np.arange(n - 1), np.asarray(ids[1:], dtype=np.int64)] if n > 1 else np.zeros(0)
-    return Score([0.0, *chosen.tolist()], [-1, *top.tolist()], [0.0, *lp[np.arange(n), top].tolist()])
+    rows = np.asarray(logits).reshape(n, -1)  # a view of the received buffer
+    targets = np.asarray([*ids[1:], 0], dtype=np.int64)  # row j scores token j+1 (the last row: only its argmax)
+    chosen, top, top_lp = [], [], []
+    for start in range(0, n, block):
+        b = rows[start:start + block].astype(np.float64)
+        shifted = b - b.max(axis=-1, keepdims=True)
+        lp = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))  # log-softmax over the vocabulary
+        arg = lp.argmax(axis=-1)
+        at = np.arange(len(b))
+        chosen += lp[at, targets[start:start + block]].tolist()
+        top += arg.tolist()
+        top_lp += lp[at, arg].tolist()
+    return Score([0.0, *chosen[:n - 1]], [-1, *top], [0.0, *top_lp])
 
 
 class TritonBackend:
