@@ -120,8 +120,11 @@ def test_config_pbtxt_carries_what_triton_config_sets_and_upstreams_tensors() ->
         assert config.model_transaction_policy.decoupled is tc["decoupled"] is streaming
         assert config.name == "tensorrt_llm" and config.backend == "python"
         inputs = {t.name: (model_config_pb2.DataType.Name(t.data_type), list(t.dims), t.optional) for t in config.input}
+        from kiln.triton.repository import PROMPT_SCORING
+
         assert inputs == {t["name"]: (t["data_type"], t["dims"], t["optional"])
-                          for t in llmapi.llmapi_model_data()["inputs"]}
+                          for t in llmapi.llmapi_model_data()["inputs"]} | {PROMPT_SCORING[0]: ("TYPE_BOOL", [1], True)}
+        assert [t.name for t in config.output][-3:] == [name for name, _ in PROMPT_SCORING[1]], "kiln's extension"
         assert config.parameters["runtime"].string_value in ("reference", "tensorrt_llm")
 
 

@@ -46,7 +46,7 @@ class ScriptedBackend:
         finally:
             self.closed_early = not done
 
-    async def score(self, ids: list[int]) -> Score:
+    async def score(self, ids: list[int], context_logits: bool | None = None) -> Score:
         self.scored.append(ids)
         n = len(ids)
         return Score([0.0] + [-1.0 * j for j in range(1, n)], [-1] + [7] * n, [0.0] + [-0.5] * n)

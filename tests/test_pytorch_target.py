@@ -345,3 +345,39 @@ def test_cancellation_by_the_client_and_by_a_stop_request(server, greedy) -> Non
     log = server.log_tail(400)
     assert "request 'cancel-client' cancelled: generation aborted" in log  # Triton's cancel reached the engine
     assert "request 'cancel-stop' cancelled: generation aborted" in log
+
+
+def test_prompt_scoring_equals_a_direct_forward_pass(server, restored) -> None:
+    """kiln's return_prompt_log_probs on the llmapi model (SamplingParams(prompt_logprobs=1) on the GPU; the CPU
+    reference runtime from its logits): each prompt token's log-prob and the argmax alternative, over gRPC."""
+    import torch
+    import tritonclient.grpc as grpcclient
+
+    model, tok = restored
+    prompt = PROMPTS[0]
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=ids).logits[0].double(), dim=-1)
+    n = ids.shape[1]
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
+    flag = grpcclient.InferInput("return_prompt_log_probs", [1], "BOOL")
+    flag.set_data_from_numpy(np.array([True]))
+    names = ("prompt_log_probs", "prompt_top_ids", "prompt_top_log_probs")
+    client = grpcclient.InferenceServerClient(server.urls()["grpc"])
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=partial(lambda q, result, error: q.put((result, error)), answers))
+    try:
+        client.async_stream_infer("tensorrt_llm", [text, flag], outputs=[grpcclient.InferRequestedOutput(x)
+                                                                       for x in names])
+        result, error = answers.get(timeout=120)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert error is None, error
+    got = {x: result.as_numpy(x) for x in names}
+    want_chosen = [0.0] + [lp[j - 1, ids[0, j]].item() for j in range(1, n)]
+    assert np.allclose(got["prompt_log_probs"], want_chosen, atol=1e-4)
+    top_lp, top_ids = lp.max(dim=-1)
+    assert got["prompt_top_ids"].tolist() == [-1] + top_ids.tolist(), "entry n: the greedy next token"
+    assert np.allclose(got["prompt_top_log_probs"], [0.0] + top_lp.tolist(), atol=1e-4)

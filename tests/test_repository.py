@@ -150,8 +150,9 @@ def _tensors(config, kind: str) -> list[tuple]:
 def test_every_model_declares_upstreams_whole_tensor_lists(tmp_path, tokenizer_dir, recipe_name):
     """Names, types, dims, optional flags and reshapes exactly as upstream's configs, for every target: existing
     clients send any of them (issue 12: kiln once declared 14 of preprocessing's 34 tensors). The reference
-    target's tensorrt_llm adds kiln's prompt-scoring tensors after upstream's (PROMPT_SCORING, and nothing else)."""
-    from kiln.triton.repository import FILLED_TYPES, PROMPT_SCORING
+    target's tensorrt_llm adds kiln's prompt-scoring tensors after upstream's (PROMPT_SCORING, and nothing else);
+    the inputs preprocessing checks itself are optional (CHECKED_BY_PREPROCESSING, and nothing else)."""
+    from kiln.triton.repository import CHECKED_BY_PREPROCESSING, FILLED_TYPES, PROMPT_SCORING
 
     recipe = load_recipe(configs_dir() / recipe_name).recipe
     repo = make_repo(recipe, tmp_path, tokenizer_dir)
@@ -163,7 +164,8 @@ def test_every_model_declares_upstreams_whole_tensor_lists(tmp_path, tokenizer_d
         up = MODELS[name]
         for kind, specs in (("input", up.inputs), ("output", up.outputs)):
             expected = [(t.name, FILLED_TYPES.get(t.data_type, t.data_type), t.dims,
-                         t.optional if kind == "input" else False, t.reshape) for t in specs]
+                         (t.optional or t.name in CHECKED_BY_PREPROCESSING.get(name, ())) if kind == "input"
+                         else False, t.reshape) for t in specs]
             if name == "tensorrt_llm" and recipe.target == "reference":
                 expected += extension[kind]
             assert _tensors(config, kind) == expected, f"{name} {kind}s differ from upstream's"

@@ -321,6 +321,14 @@ class EngineSection(Section):
     workers: Optional[Annotated[int, Field(ge=1, le=64)]] = None
     """Ranks built in parallel (`--workers`). Empty: tp × pp."""
 
+    gather_context_logits: bool = False
+    """Keep the logits of every prompt position (`--gather_context_logits`). Enables prompt scoring on the
+    `tensorrt` target: the OpenAI server's `echo`/`logprobs` requests (lm-eval's loglikelihood tasks: lambada,
+    hellaswag, MMLU, …) get each prompt token's log-prob and the argmax alternative. Costs GPU memory for a
+    prompt × vocabulary FP32 logits buffer per request in the context phase (a 2k-token prompt with a 128k
+    vocabulary is 1 GiB) and a slower context phase; off, such requests are refused naming this key. The
+    `reference` and `pytorch` targets score prompts without it."""
+
     speculative: SpeculativeSection = SpeculativeSection()
     """Speculative decoding."""
 

@@ -52,6 +52,8 @@ def trtllm_build_args(recipe: Recipe, checkpoint_dir: Path | str, output_dir: Pa
         "--workers", str(b.workers or recipe.parallelism.tp * recipe.parallelism.pp),
     ]
     args += ["--logits_dtype", LOGITS_DTYPE]
+    if b.gather_context_logits:  # a store_true flag: absent is off
+        args.append("--gather_context_logits")
     if b.speculative.mode != "none":
         args += ["--speculative_decoding_mode", b.speculative.mode, "--max_draft_len", str(b.speculative.max_draft_len)]
     return args
@@ -73,6 +75,7 @@ def expected_engine_config(recipe: Recipe, resolved_max_seq_len: Optional[int]) 
         "pretrained_config.mapping.tp_size": recipe.parallelism.tp,
         "pretrained_config.mapping.pp_size": recipe.parallelism.pp,
         "pretrained_config.logits_dtype": LOGITS_DTYPE,
+        "build_config.gather_context_logits": b.gather_context_logits,
     }
     seq = engine_max_seq_len(recipe, resolved_max_seq_len)
     if seq is not None:

@@ -30,7 +30,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from kiln.recipe.formats import kv_cache_format, registry
 from kiln.recipe.schema import Recipe, llmapi_runtime
-from kiln.triton.repository import cpu_instances, render, set_parameters
+from kiln.triton.repository import add_prompt_scoring, cpu_instances, render, set_parameters
 
 MODEL_NAME = "tensorrt_llm"
 MODEL_YAML = "model.yaml"
@@ -345,6 +345,7 @@ def llmapi_config(recipe: Recipe, runtime: Optional[str] = None) -> Any:
         o = c.output.add()
         o.name, o.data_type = t.name, mc.DataType.Value(t.data_type)
         o.dims.extend(t.dims)
+    add_prompt_scoring(c)  # kiln's extension after upstream's tensors (the llmapi model.py's docstring)
     cpu_instances(c, 1)
     set_parameters(c, {"runtime": runtime,
                        "exclude_input_from_output": recipe.serving.exclude_input_in_output,
@@ -398,6 +399,8 @@ RECIPE_MAPPING: dict[str, tuple[str, str]] = {
     "engine.multiple_profiles": ("dropped", "TensorRT optimisation profiles; nothing is compiled"),
     "engine.remove_input_padding": ("dropped", "the PyTorch backend always packs inputs"),
     "engine.workers": ("dropped", "parallel engine builds; nothing is built"),
+    "engine.gather_context_logits": ("dropped", "a trtllm-build switch; the llmapi model asks the LLM for prompt "
+                                     "log-probs per request (SamplingParams(prompt_logprobs=1)) instead"),
     "engine.speculative.mode": ("arg", "speculative_config.decoding_type (draft_tokens_external → DraftTarget, "
                                 "eagle → Eagle, ngram → NGram, mtp → MTP; medusa, lookahead_decoding and "
                                 "explicit_draft_tokens are refused)"),

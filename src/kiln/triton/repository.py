@@ -99,6 +99,7 @@ def standin_engine_config(recipe: Recipe, max_seq_len: int, quantization: Option
             "max_beam_width": b.max_beam_width, "kv_cache_type": b.kv_cache_type,
             "max_draft_len": b.speculative.max_draft_len,
             "speculative_decoding_mode": b.speculative.mode,
+            "gather_context_logits": b.gather_context_logits,
             "plugin_config": {"tokens_per_block": b.tokens_per_block, "context_fmha": b.context_fmha,
                               "use_paged_context_fmha": b.use_paged_context_fmha,
                               "use_fp8_context_fmha": b.use_fp8_context_fmha,
@@ -164,6 +165,20 @@ def render(config) -> str:
 
 # ------------------------------------------------------------------------------------------------ model configs
 
+#: Inputs upstream declares required that kiln declares optional, so that a request without them reaches kiln's
+#: preprocessing model, which answers with an error naming the missing input. Triton core checks required inputs
+#: by count only (a request with as many inputs as the model requires passes, whichever they are), and an ensemble
+#: whose first step never gets its input ends with no response: HTTP generate answers 200 with "generate expects
+#: model to produce exactly 1 response", a gRPC stream an empty final response (tritonserver 2.x, seen with the
+#: session's real server; tests/test_openai_serving_errors.py). The ensemble's steps are unchanged.
+CHECKED_BY_PREPROCESSING = {"ensemble": ("text_input", "max_tokens"), "preprocessing": ("QUERY", "REQUEST_OUTPUT_LEN")}
+
+
+def _checked_by_preprocessing(c) -> None:
+    for t in c.input:
+        if t.name in CHECKED_BY_PREPROCESSING[c.name]:
+            t.optional = True
+
 
 def preprocessing_config(r: Recipe, max_seq_len: int):
     up = MODELS["preprocessing"]
@@ -171,6 +186,7 @@ def preprocessing_config(r: Recipe, max_seq_len: int):
     cpu_instances(c, r.serving.preprocessing_instances)
     set_parameters(c, {"tokenizer_dir": "1/tokenizer", "add_special_tokens": r.serving.add_special_tokens,
                 "max_input_len": r.engine.max_input_len, "max_seq_len": max_seq_len})
+    _checked_by_preprocessing(c)
     return c
 
 
@@ -263,10 +279,12 @@ PROMPT_SCORING = ("return_prompt_log_probs", (("prompt_log_probs", "TYPE_FP32"),
 
 
 def add_prompt_scoring(c) -> None:
-    """Declare :data:`PROMPT_SCORING` on a reference tensorrt_llm config (an optional input and three outputs)."""
+    """Declare :data:`PROMPT_SCORING` on a reference or llmapi tensorrt_llm config (an optional input and three
+    outputs)."""
     name, outputs = PROMPT_SCORING
     t = c.input.add(name=name, data_type=mc.TYPE_BOOL, dims=[1], optional=True)
-    t.reshape.SetInParent()  # reshape: [ ] (a scalar per request), as upstream declares its flags
+    if c.max_batch_size > 0:  # Triton refuses an empty reshape on a non-batching model (the llmapi one)
+        t.reshape.SetInParent()  # reshape: [ ] (a scalar per request), as upstream declares its flags
     for out, dtype in outputs:
         c.output.add(name=out, data_type=mc.DataType.Value(dtype), dims=[-1])
 
@@ -300,6 +318,7 @@ def ensemble_config(r: Recipe, trt_inputs: set[str], trt_outputs: set[str]):
             st.input_map[mt] = et
         for mt, et in omap:
             st.output_map[mt] = et
+    _checked_by_preprocessing(c)
     return c
 
 
@@ -464,7 +483,9 @@ def write_repository(inp: RepoInputs, out: Path, max_seq_len: int, final: Option
                    "logits_dtype": (engine_cfg.get("pretrained_config") or {}).get("logits_dtype"),
                    "max_batch_size": engine_cfg["build_config"].get("max_batch_size"),
                    "max_input_len": engine_cfg["build_config"].get("max_input_len"),
-                   "max_seq_len": engine_cfg["build_config"].get("max_seq_len")},
+                   "max_seq_len": engine_cfg["build_config"].get("max_seq_len"),
+                   # whether the engine keeps prompt logits: the OpenAI server scores prompts (echo) only then
+                   "gather_context_logits": bool(engine_cfg["build_config"].get("gather_context_logits", False))},
         "container": container,
         "streaming": r.serving.streaming,
         "world_size": world,

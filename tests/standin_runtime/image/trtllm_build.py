@@ -4,7 +4,7 @@ Its command line is upstream's: every flag, choice and default from kiln's copy 
 (src/kiln/steps/data/trtllm_build_flags.yaml, sourced from the 1.2.1 docs), parsed with argparse as upstream
 does, so a flag upstream would reject fails here too. It writes an engine directory shaped like 1.2.1's:
 config.json ({version, pretrained_config (the checkpoint's, logits_dtype as --logits_dtype sets it),
-build_config (+ plugin_config)}) and one rank{N}.engine per checkpoint rank (a few stand-in bytes).
+build_config (+ plugin_config, gather_context_logits)}) and one rank{N}.engine per checkpoint rank (a few stand-in bytes).
 $KILN_STANDIN_ENGINE_OVERRIDE (JSON, dotted key → value) changes what the config says, to test that kiln reads
 the engine back against the recipe.
 """
@@ -63,6 +63,9 @@ def main(argv):
             "max_beam_width": args.max_beam_width,
             "kv_cache_type": (args.kv_cache_type if args.kv_cache_type != "==SUPPRESS==" else "paged").upper(),
             "max_draft_len": args.max_draft_len or 0,
+            # BuildConfig writes both switches (stored 1.x engine config.json files have them)
+            "gather_context_logits": bool(args.gather_context_logits or args.gather_all_token_logits),
+            "gather_generation_logits": bool(args.gather_generation_logits or args.gather_all_token_logits),
             "plugin_config": {"tokens_per_block": args.tokens_per_block, "context_fmha": on(args.context_fmha),
                               "use_paged_context_fmha": on(args.use_paged_context_fmha),
                               "remove_input_padding": on(args.remove_input_padding),

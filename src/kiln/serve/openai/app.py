@@ -50,6 +50,7 @@ class ModelInfo:
     template: ChatTemplate | None = None
     tokenizer: Any = None  # tokenizers.Tokenizer
     max_seq_len: int | None = None
+    context_logits: bool | None = None  # whether the engine keeps prompt logits (None: unknown, no repository)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -66,7 +67,8 @@ class ModelInfo:
 
             tokenizer = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
         return cls(name=name or info.get("recipe") or repo.name, template=load_chat_template(tok_dir),
-                   tokenizer=tokenizer, max_seq_len=(info.get("engine") or {}).get("max_seq_len"))
+                   tokenizer=tokenizer, max_seq_len=(info.get("engine") or {}).get("max_seq_len"),
+                   context_logits=_gathers_context_logits(repo, info))
 
     def count(self, text: str, special: bool) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=special).ids) if self.tokenizer else 0
@@ -98,6 +100,18 @@ class ModelInfo:
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer is not None else ""
+
+
+def _gathers_context_logits(repo: Path, info: dict[str, Any]) -> bool | None:
+    """kiln.json's ``engine.gather_context_logits``, else the engine config's ``build_config`` (what the Triton
+    backend reads); a repository with neither (older kiln, no engine config) says the engine lacks them."""
+    recorded = (info.get("engine") or {}).get("gather_context_logits")
+    if recorded is not None:
+        return bool(recorded)
+    cfg = repo / "tensorrt_llm" / "1" / "engine" / "config.json"
+    if cfg.is_file():
+        return bool((json.loads(cfg.read_text()).get("build_config") or {}).get("gather_context_logits", False))
+    return False if info else None
 
 
 def echo_body(completion: Completion, ids: list[int], score: Any) -> dict[str, Any]:
@@ -344,7 +358,7 @@ def create_app(backend: TritonBackend, info: ModelInfo) -> Any:
                 else:
                     raise bad("echo needs the served repository's tokenizer: start the server with the repository",
                               "echo")
-                await JSONResponse(echo_body(done, ids, await backend.score(ids)))(scope, receive, send)
+                await JSONResponse(echo_body(done, ids, await backend.score(ids, info.context_logits)))(scope, receive, send)
                 return
             gen = backend.generate(req, prompt, max_tokens)
             if not req.stream:

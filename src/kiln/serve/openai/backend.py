@@ -25,7 +25,12 @@ Prompt scoring (``echo``, lm-eval's loglikelihood): :meth:`TritonBackend.score` 
 the ensemble's language-model step with kiln's ``return_prompt_log_probs`` input; the model answers with each
 prompt token's log-probability and the argmax alternative at every position (``prompt_log_probs``,
 ``prompt_top_ids``, ``prompt_top_log_probs``), computed where the logits are: never the context logits over
-the wire. kiln's reference runtime has these tensors; a model without them gets the request refused.
+the wire. kiln's reference runtime has these tensors. A TensorRT engine (upstream's ``tensorrt_llm`` model) has
+no such outputs; it returns the prompt's whole ``context_logits`` (FP32 [1, n, vocab]: a 2k-token prompt with a
+128k vocabulary is 1 GiB) when its engine was built with ``--gather_context_logits`` (the recipe's
+``engine.gather_context_logits``). The backend then asks that step for them over the local gRPC channel and
+reduces them here, in the server, to the same 3 × n numbers (:func:`score_from_logits`): the logits never reach
+the HTTP client. An engine built without them is refused with the recipe key that builds it.
 """
 
 from __future__ import annotations
@@ -55,6 +60,10 @@ INPUT_TYPES = {"text_input": "BYTES", "max_tokens": "INT32", "stream": "BOOL", "
 #: kiln's prompt-scoring extension of the tensorrt_llm contract (see the module docstring).
 SCORE_INPUT = "return_prompt_log_probs"
 SCORE_OUTPUTS = ("prompt_log_probs", "prompt_top_ids", "prompt_top_log_probs")
+#: upstream's context-logits switch and output on the tensorrt_llm model (TensorRT engine target).
+LOGITS_INPUT, LOGITS_OUTPUT = "return_context_logits", "context_logits"
+#: What a prompt-scoring request on an engine without context logits is told to do.
+GATHER_KEY = "engine.gather_context_logits"
 
 
 #: Idle streams kept open for reuse (beyond this, a finished request's stream is closed).
@@ -71,6 +80,7 @@ class Contract:
     batched: bool
     stop_model: str | None = None  # an ensemble step with upstream's `stop` input (see the module docstring)
     score_model: str | None = None  # the model that scores prompts (kiln's return_prompt_log_probs input)
+    logits_model: str | None = None  # the step that returns context logits (upstream's tensorrt_llm model)
 
     def counts(self, kind: str) -> bool:
         """Whether the model reports ``num_<kind>_tokens`` (kind: input or output) when asked."""
@@ -100,6 +110,28 @@ class Score:
     log_probs: list[float]
     top_ids: list[int]
     top_log_probs: list[float]
+
+
+def score_from_logits(logits: Any, ids: list[int], block: int = 64) -> Score:
+    """A :class:`Score` from a prompt's context logits (row j: the logits after token j, as TensorRT-LLM's
+    ``context_logits`` and a forward pass give them), flat or [.., n, vocab]. Computed in float64, ``block`` rows
+    at a time (64 rows of a 128k vocabulary: 64 MiB), so the whole prompt is never copied."""
+    import numpy as np
+
+    n = len(ids)
+    rows = np.asarray(logits).reshape(n, -1)  # a view of the received buffer
+    targets = np.asarray([*ids[1:], 0], dtype=np.int64)  # row j scores token j+1 (the last row: only its argmax)
+    chosen, top, top_lp = [], [], []
+    for start in range(0, n, block):
+        b = rows[start:start + block].astype(np.float64)
+        shifted = b - b.max(axis=-1, keepdims=True)
+        lp = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))  # log-softmax over the vocabulary
+        arg = lp.argmax(axis=-1)
+        at = np.arange(len(b))
+        chosen += lp[at, targets[start:start + block]].tolist()
+        top += arg.tolist()
+        top_lp += lp[at, arg].tolist()
+    return Score([0.0, *chosen[:n - 1]], [-1, *top], [0.0, *top_lp])
 
 
 class TritonBackend:
@@ -164,7 +196,8 @@ class TritonBackend:
                 self._contract = Contract(frozenset(names), frozenset(t.name for t in meta.outputs),
                                           bool(cfg.model_transaction_policy.decoupled), cfg.max_batch_size > 0,
                                           await self._step_with(cfg, "stop"),
-                                          await self._step_with(cfg, SCORE_INPUT, set(SCORE_OUTPUTS)))
+                                          await self._step_with(cfg, SCORE_INPUT, set(SCORE_OUTPUTS)),
+                                          await self._step_with(cfg, LOGITS_INPUT, {LOGITS_OUTPUT}))
         return self._contract
 
     async def _step_with(self, cfg: Any, input_name: str, outputs: set[str] = frozenset()) -> str | None:
@@ -183,27 +216,37 @@ class TritonBackend:
                 return step.model_name
         return None
 
-    async def score(self, ids: list[int]) -> Score:
-        """The model's log-probabilities of the prompt ``ids`` and its argmax alternatives (see :class:`Score`)."""
+    async def score(self, ids: list[int], context_logits: bool | None = None) -> Score:
+        """The model's log-probabilities of the prompt ``ids`` and its argmax alternatives (see :class:`Score`).
+
+        ``context_logits``: whether the served engine keeps prompt logits (the repository's kiln.json says, from
+        ``engine.gather_context_logits``); None when unknown (no repository), and then the engine is asked."""
         import struct
 
         import grpc
         from tritonclient.grpc import service_pb2
 
         c = await self.contract()
-        if c.score_model is None:
-            raise bad(f"echo (prompt log-probabilities): the Triton model {self.model!r} does not compute them. kiln's "
-                      "reference runtime does (an ensemble step with the return_prompt_log_probs input); a TensorRT "
-                      "engine would need to be built with gather_context_logits, which kiln does not build yet",
-                      "echo")
-        msg = service_pb2.ModelInferRequest(model_name=c.score_model, id=f"kiln-openai-score-{uuid.uuid4().hex}")
+        model, switch, outputs = c.score_model, SCORE_INPUT, SCORE_OUTPUTS
+        if model is None and c.logits_model is not None:
+            if context_logits is False:
+                raise bad("echo (prompt log-probabilities) needs the prompt's logits, and the served TensorRT engine "
+                          f"was built without them: rebuild it with --set {GATHER_KEY}=true (it costs a "
+                          "prompt x vocabulary FP32 buffer per request in the context phase)", "echo",
+                          code="gather_context_logits_off")
+            model, switch, outputs = c.logits_model, LOGITS_INPUT, (LOGITS_OUTPUT,)
+        if model is None:
+            raise bad(f"echo (prompt log-probabilities): the Triton model {self.model!r} does not compute them: it "
+                      "has no step with kiln's return_prompt_log_probs input (the reference runtime) or upstream's "
+                      f"context_logits output (a TensorRT engine built with {GATHER_KEY})", "echo")
+        msg = service_pb2.ModelInferRequest(model_name=model, id=f"kiln-openai-score-{uuid.uuid4().hex}")
         msg.parameters[EMPTY_FINAL_PARAM].bool_param = True
         msg.inputs.add(name="input_ids", datatype="INT32", shape=[1, len(ids)] if c.batched else [len(ids)])
         msg.raw_input_contents.append(struct.pack(f"<{len(ids)}i", *ids))
         for name, value, dtype in (("input_lengths", len(ids), "INT32"), ("request_output_len", 1, "INT32"),
-                                   (SCORE_INPUT, True, "BOOL")):
+                                   (switch, True, "BOOL")):
             add_scalar_input(msg, name, value, dtype, c.batched)
-        for name in SCORE_OUTPUTS:
+        for name in outputs:
             msg.outputs.add().name = name
         call = self._stub.ModelStreamInfer()
         values: dict[str, list] = {}
@@ -217,6 +260,14 @@ class TritonBackend:
                     raise APIError(400, item.error_message)
                 resp = item.infer_response
                 for i, out in enumerate(resp.outputs):
+                    if out.name == LOGITS_OUTPUT and LOGITS_OUTPUT in outputs:  # [1, n, vocab] FP32, reduced here
+                        import numpy as np
+
+                        dtype = {"FP32": "<f4", "FP16": "<f2", "BF16": None}.get(out.datatype)
+                        if dtype is None or i >= len(resp.raw_output_contents):
+                            raise APIError(500, f"{model}: context_logits came as {out.datatype}; kiln builds "
+                                                "engines with --logits_dtype float32")
+                        return score_from_logits(np.frombuffer(resp.raw_output_contents[i], dtype=dtype), ids)
                     if out.name == "prompt_top_ids":
                         raw = resp.raw_output_contents[i]
                         values[out.name] = [v for (v,) in struct.iter_unpack("<i", raw)]

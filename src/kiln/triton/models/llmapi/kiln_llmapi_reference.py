@@ -216,6 +216,7 @@ class SamplingParams:
     exclude_input_from_output: bool = True
     return_perf_metrics: bool = False
     stop: Optional[list] = None
+    prompt_logprobs: Optional[int] = None  # top-k log-probs per prompt position (CompletionOutput.prompt_logprobs)
 
     def __post_init__(self):
         problems = []
@@ -232,6 +233,8 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) not in (None, 0.0):
                 problems.append(f"{name}={getattr(self, name)} is not supported by the CPU reference runtime")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
+            problems.append(f"prompt_logprobs must be a count >= 0, got {self.prompt_logprobs}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if problems:
@@ -245,11 +248,22 @@ class SamplingParams:
 
 
 @dataclass
+class Logprob:
+    """TensorRT-LLM's ``Logprob``: a token's log-probability and its rank in the vocabulary (1: the argmax)."""
+
+    logprob: float
+    rank: Optional[int] = None
+
+
+@dataclass
 class CompletionOutput:
     index: int = 0
     text: str = ""
     token_ids: list = field(default_factory=list)
     cumulative_logprob: Optional[float] = None
+    #: TensorRT-LLM's TokenLogprobs: per prompt position 1..n-1, {token id: Logprob} for the top-k tokens of the
+    #: distribution predicting it and the prompt's own token there.
+    prompt_logprobs: list = field(default_factory=list)
     finish_reason: Optional[str] = None
     stop_reason: Optional[str] = None
     request_perf_metrics: Optional[object] = None
@@ -261,6 +275,7 @@ class RequestOutput:
     outputs: list
     finished: bool = False
     error: Optional[str] = None
+    prompt_token_ids: list = field(default_factory=list)
 
 
 class RequestHandle:
@@ -377,6 +392,8 @@ class ReferenceLLM:
         prefix = [] if params.exclude_input_from_output else list(ids)
         with torch.no_grad():
             step = self.model(input_ids=torch.tensor([ids]), use_cache=True)
+            if params.prompt_logprobs is not None:
+                out.prompt_logprobs = _prompt_logprobs(step.logits[0, :-1], ids[1:], params.prompt_logprobs)
             while True:
                 if handle.aborted.is_set():
                     out.finish_reason = "cancelled"
@@ -397,19 +414,34 @@ class ReferenceLLM:
                     out.finish_reason = "length"
                     break
                 if handle.streaming:
-                    handle._push(RequestOutput(handle.prompt, [_copy(out)], False))
+                    handle._push(RequestOutput(handle.prompt, [_copy(out)], False, prompt_token_ids=list(ids)))
                 step = self.model(input_ids=torch.tensor([[token]]), past_key_values=step.past_key_values,
                                   use_cache=True)
         out.token_ids, out.cumulative_logprob = prefix + tokens, cum
         if out.stop_reason is None and out.finish_reason != "cancelled":
             out.text = self.tokenizer.decode(prefix + tokens, skip_special_tokens=True)
-        handle._push(RequestOutput(handle.prompt, [_copy(out)], True))
+        handle._push(RequestOutput(handle.prompt, [_copy(out)], True, prompt_token_ids=list(ids)))
         handle._push(None)
 
 
+def _prompt_logprobs(logits, targets, k):
+    """TokenLogprobs from the prompt's logits (row j predicts ``targets[j]``): the top-k and the target, ranked."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    rows = []
+    for j, target in enumerate(targets):
+        row = {}
+        if k:
+            values, indices = torch.topk(lp[j], k)
+            row = {int(t): Logprob(float(v), r + 1) for r, (v, t) in enumerate(zip(values, indices))}
+        if target not in row:
+            row[int(target)] = Logprob(float(lp[j, target]), int((lp[j] > lp[j, target]).sum()) + 1)
+        rows.append(row)
+    return rows
+
+
 def _copy(out):
-    return CompletionOutput(out.index, out.text, list(out.token_ids), out.cumulative_logprob, out.finish_reason,
-                            out.stop_reason)
+    return CompletionOutput(out.index, out.text, list(out.token_ids), out.cumulative_logprob, out.prompt_logprobs,
+                            out.finish_reason, out.stop_reason)
 
 
 def _stop_hit(text, stops, start):

@@ -14,6 +14,14 @@ tests/test_llmapi_model.py) and upstream's llmapi tensor contract (kiln/triton/d
   and the per-request performance metrics when ``sampling_param_return_perf_metrics`` is true (GPU runtime only),
   each with its declared type.
 
+Prompt scoring (kiln's extension of the contract, the same as the reference ``tensorrt_llm`` model's, for the OpenAI
+server's ``echo``/loglikelihood requests): the optional input ``return_prompt_log_probs``; when true the request
+asks the LLM for one greedy token with ``SamplingParams(prompt_logprobs=1)`` (the LLM computes them from its context
+logits on the GPU: only these numbers leave it) and answers with ``prompt_log_probs`` FP32[n] (entry j: log-prob of
+prompt token j given the tokens before it; entry 0 is 0), ``prompt_top_ids`` INT32[n+1] and
+``prompt_top_log_probs`` FP32[n+1] (entry j: the argmax token predicting position j and its log-prob; entry 0 is
+-1 / 0; entry n is the greedy next token, the one generated).
+
 ``model.yaml`` (or the file ``$LLM_CONFIG_PATH`` names) holds the LLM arguments and ``triton_config``; every key
 but ``triton_config`` goes to ``LLM`` through TensorRT-LLM's own ``update_llm_args_with_extra_dict`` (which builds
 the speculative-decoding config from its ``decoding_type``). Relative paths in ``model`` and
@@ -63,6 +71,9 @@ STOP_INPUT = ("sampling_param_stop", "stop")
 #: Output switch → the CompletionOutput attribute it sends.
 OUTPUT_SWITCHES = {"return_finish_reason": "finish_reason", "return_stop_reason": "stop_reason",
                    "return_cumulative_logprob": "cumulative_logprob"}
+#: kiln's prompt-scoring extension (module docstring): the switch and the outputs it fills.
+SCORE_INPUT = "return_prompt_log_probs"
+SCORE_OUTPUTS = ("prompt_log_probs", "prompt_top_ids", "prompt_top_log_probs")
 PATH_KEYS = (("model",), ("speculative_config", "speculative_model_dir"))
 
 
@@ -223,6 +234,14 @@ class TritonPythonModel:
             kwargs[STOP_INPUT[1]] = [_text(s) for s in np.asarray(stop).reshape(-1)]
         switches = {name: bool(_scalar(request, name, bool)) for name in OUTPUT_SWITCHES}
         streaming = bool(_scalar(request, "streaming", bool))
+        switches[SCORE_INPUT] = bool(_scalar(request, SCORE_INPUT, bool))
+        if switches[SCORE_INPUT]:  # one greedy token, the prompt's log-probs with the top-1 alternative
+            missing = [name for name in SCORE_OUTPUTS if name not in self.outputs]
+            if missing:
+                raise RequestError(f"{SCORE_INPUT}: this model's config.pbtxt does not declare {missing}")
+            kwargs.update(max_tokens=1, top_k=1, prompt_logprobs=1, exclude_input_from_output=True)
+            kwargs.pop("stop", None)
+            streaming = False
         if streaming and not self.decoupled:
             raise RequestError("streaming needs a decoupled model: set serving.streaming (triton_config.decoupled) "
                                "or send streaming=false")
@@ -284,7 +303,32 @@ class TritonPythonModel:
         error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
         return pb_utils.InferenceResponse(output_tensors=[], error=error)
 
+    def _scores(self, output: "tensorrt_llm.llmapi.RequestOutput"):
+        """The prompt-scoring outputs (module docstring) from ``CompletionOutput.prompt_logprobs``: per prompt
+        position 1..n-1, {token id: Logprob} holding the top-1 token and the prompt's own token."""
+        first = output.outputs[0]
+        rows = first.prompt_logprobs or []
+        ids = list(output.prompt_token_ids)
+        if len(rows) != len(ids) - 1:
+            raise RequestError(f"{SCORE_INPUT}: the LLM returned {len(rows)} prompt log-prob rows for a "
+                               f"{len(ids)}-token prompt (expected {len(ids) - 1})")
+        chosen, top_ids, top_lps = [0.0], [-1], [0.0]
+        for token, row in zip(ids[1:], rows):
+            chosen.append(row[token].logprob)
+            best = min(row.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30,
+                                                    -kv[1].logprob))
+            top_ids.append(int(best[0]))
+            top_lps.append(best[1].logprob)
+        top_ids.append(int(first.token_ids[-1]) if first.token_ids else -1)  # the greedy next token
+        top_lps.append(first.cumulative_logprob if first.cumulative_logprob is not None else np.nan)
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("prompt_log_probs", np.array(chosen, dtype=np.float32)),
+            pb_utils.Tensor("prompt_top_ids", np.array(top_ids, dtype=np.int32)),
+            pb_utils.Tensor("prompt_top_log_probs", np.array(top_lps, dtype=np.float32))])
+
     def _response(self, output: "tensorrt_llm.llmapi.RequestOutput", switches):
+        if switches.get(SCORE_INPUT):
+            return self._scores(output)
         tensors = [pb_utils.Tensor("text_output", np.array([o.text.encode("utf-8") for o in output.outputs],
                                                            dtype=np.object_))]
         for switch, attr in OUTPUT_SWITCHES.items():
