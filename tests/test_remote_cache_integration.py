@@ -135,7 +135,8 @@ def test_dry_run_json_gives_the_fingerprints_a_cache_keys_on(runner_a, registry,
     data = json.loads(dry.stdout)
     assert [s["fingerprint"] for s in data["steps"]] == [s["fingerprint"] for s in summary_a["steps"]]
     assert {s["name"]: s["remote"] for s in data["steps"]} == {"resolve": None, "quantize": "hit",
-                                                              "evaluate": "hit", "engine": "hit", "package": None}
+                                                              "evaluate": "hit", "engine": "hit", "package": "hit",
+                                                              "tasks": None}
     assert not (tmp_path / "build").exists()  # a dry run writes nothing
 
 
@@ -253,7 +254,7 @@ def test_an_authenticated_registry_with_credentials_from_the_usual_places(runner
         url = reg.url("team/kiln-cache")
         common = [RECIPE, *FAST, "--cache", url]
         # No credentials anywhere: a clear refusal naming the fix (push under kiln cache is always required).
-        none = kiln("cache", "push", *common, "--build-dir", str(root_a / "build"), cwd=tmp_path / "none")
+        none = kiln("cache", "push", *common, "--build-dir", str(root_a / "build"), "--repo-dir", str(root_a / "triton_repo"), cwd=tmp_path / "none")
         outputs += [none.stdout, none.stderr]
         assert none.returncode == 1 and "needs credentials and none were found" in none.stderr
         assert "docker login" in none.stderr
@@ -263,7 +264,7 @@ def test_an_authenticated_registry_with_credentials_from_the_usual_places(runner
         auth = base64.b64encode(f"kiln:{SENTINEL}".encode()).decode()
         (docker / "config.json").write_text(json.dumps({"auths": {reg.host: {"auth": auth}}}))
         env = env_without_credentials(DOCKER_CONFIG=str(docker))
-        push = kiln("cache", "push", *common, "--build-dir", str(root_a / "build"), cwd=tmp_path / "p", env=env)
+        push = kiln("cache", "push", *common, "--build-dir", str(root_a / "build"), "--repo-dir", str(root_a / "triton_repo"), cwd=tmp_path / "p", env=env)
         outputs += [push.stdout, push.stderr]
         assert push.returncode == 0, push.stderr
         assert "quantize: pushed to" in push.stdout and "engine: pushed to" in push.stdout

@@ -65,6 +65,7 @@ LLM_OUTPUTS = [
     _tensor("sequence_length", "TYPE_INT32", "-1"),
     _tensor("cum_log_probs", "TYPE_FP32", "-1"),
     _tensor("output_log_probs", "TYPE_FP32", "-1, -1"),
+    _tensor("batch_index", "TYPE_INT32", "1"),  # upstream's tensorrt_llm declares it; the BLS asks for it
 ]
 #: ensemble / BLS request inputs besides text_input and max_tokens.
 CLIENT_INPUTS = [
