@@ -7,10 +7,16 @@ The default recipe's format (INT4 AWQ) is compared on the checkpoint the pipelin
 Tolerance, relative to the largest |logit|:
 - weight formats (INT4 AWQ, unquantized): 1e-5 — the dequantized weights are the fake-quantized ones exactly, only
   the order of float sums differs (measured: about 4e-7);
-- formats with an FP8 activation step or an FP8 KV cache (FP8, W4A8 AWQ, FP8 KV): 5e-3 — a value on an FP8 rounding
-  boundary may round the other way (measured: about 1e-6, once 1.7e-3 with other calibration data);
-- the mean difference, every format: 1e-4. Without the FP8 KV cache's rounding of keys and values the FP8 + FP8-KV
-  case measures 2.6e-2 worst and 3e-3 mean: both bounds catch it.
+- formats with an FP8 activation step or an FP8 KV cache (FP8, W4A8 AWQ, FP8 KV): 1.7e-2 worst, 1.4e-3 mean — a
+  value on an FP8 rounding boundary may round the other way, and which values sit there depends on the last bit of a
+  float32 matmul, i.e. on the CPU's kernels. Measured for FP8 + FP8-KV: about 1e-6 on the machine this was first
+  written on; 8.6e-3 worst / 6.2e-4 mean on an AVX-512 machine (torch's default kernel set there: q/k/v projections
+  differ by one float32 ulp from ModelOpt's fake-quant linear, position 4 of "The quick brown fox…" then flips one
+  FP8 step in layer 1 and later layers carry it), 7e-5 worst on the same machine with ATEN_CPU_CAPABILITY=default.
+  Without the FP8 KV cache's rounding of keys and values (the defect this test is for) the case measures 3.5e-2
+  worst and 3.3e-3 mean on the AVX-512 machine: the bounds sit at the geometric middle of the two (√(8.6e-3·3.5e-2),
+  √(6.2e-4·3.3e-3)), so both catch the defect with the same factor of ~2 either way;
+- the mean difference of the exact formats: 1e-4.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ pytestmark = pytest.mark.integration
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "The quick brown fox jumps over the lazy dog", "# Copyright"]
 TEXTS = ["The quick brown fox jumps over the lazy dog. def fibonacci(n): import os", "Beautiful is better than ugly."]
-EXACT, FP8_STEP, MEAN = 1e-5, 5e-3, 1e-4
+EXACT, FP8_STEP, MEAN, FP8_MEAN = 1e-5, 1.7e-2, 1e-4, 1.4e-3
 
 
 def reference_module():
@@ -100,7 +106,8 @@ def test_reference_logits_match_the_modelopt_restored_model(tmp_path, fmt, kv, t
             worst = max(worst, float((want - got).abs().max()) / scale)
             mean.append(float((want - got).abs().mean()) / scale)
     assert worst <= tolerance, f"{fmt}+{kv}: max |Δlogit| / max|logit| = {worst:.3g} > {tolerance}"
-    assert max(mean) <= MEAN, f"{fmt}+{kv}: mean |Δlogit| / max|logit| = {max(mean):.3g}"
+    mean_bound = MEAN if tolerance == EXACT else FP8_MEAN
+    assert max(mean) <= mean_bound, f"{fmt}+{kv}: mean |Δlogit| / max|logit| = {max(mean):.3g} > {mean_bound}"
 
 
 def test_the_reference_refuses_what_it_cannot_dequantize(tmp_path) -> None:

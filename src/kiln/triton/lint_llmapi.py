@@ -22,6 +22,7 @@ from tritonclient.grpc import model_config_pb2
 
 from kiln.recipe.formats import format_refusal, kv_refusal, registry, release_refusal
 from kiln.triton.lint import CONTAINER_MODEL_ROOT, TRTLLM_MODEL, Finding, Model
+from kiln.triton.repository import PROMPT_SCORING
 from kiln.triton.llmapi import (
     DEFAULT_LLM_ARGS_VERSION,
     MODEL_YAML,
@@ -164,10 +165,15 @@ def _tensors(m: Model) -> Iterable[Finding]:
     file = str(m.config_path)
     contract = {"input": {t.name: t for t in contract_tensors("inputs")},
                 "output": {t.name: t for t in contract_tensors("outputs")}}
+    # kiln's prompt-scoring extension (declared by kiln's own llmapi model.py, optional: upstream's clients never
+    # send it) is not upstream's contract but is no stray tensor either
+    extension = {"input": {PROMPT_SCORING[0]}, "output": {name for name, _ in PROMPT_SCORING[1]}}
     for kind in ("input", "output"):
         declared = {t.name: t for t in getattr(m.config, kind)}
         for name, t in declared.items():
             want = contract[kind].get(name)
+            if want is None and name in extension[kind]:
+                continue
             line = m.line_of(rf'name:\s*"{re.escape(name)}"')
             if want is None:
                 yield Finding("warning", m.name, file, line, f"{kind} {name!r} is not in the llmapi contract of "
