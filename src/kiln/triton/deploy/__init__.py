@@ -19,9 +19,10 @@
 ``README.md``
     How to run each of them.
 
-Modules: :mod:`~kiln.triton.deploy.info` (:class:`DeployInfo`, names), :mod:`~kiln.triton.deploy.render`
-(the files), :mod:`~kiln.triton.deploy.validate` (:func:`validate_manifests`). The public names of all three
-are importable from here.
+Modules: :mod:`~kiln.triton.deploy.info` (:class:`DeployInfo`, names), :mod:`~kiln.triton.deploy.launch` (the
+serving command, ``launch.sh``), :mod:`~kiln.triton.deploy.k8s` (the Kubernetes objects),
+:mod:`~kiln.triton.deploy.render` (Compose, the README, the files written) and :mod:`~kiln.triton.deploy.validate`
+(:func:`validate_manifests`). Their public names are importable from here.
 
 :func:`validate_manifests` checks Kubernetes files offline: core kinds against the schemas bundled with
 ``kubernetes-validate`` in strict mode (unknown fields are errors); the LeaderWorkerSet, for which it has no
@@ -63,24 +64,28 @@ from kiln.triton.deploy.info import (
     k8s_name,
     multinode_image_name,
 )
+from kiln.triton.deploy.k8s import (
+    container_security_context,
+    k8s_objects,
+    pod_security_context,
+    pvc_name,
+    render_leader_script,
+    render_multinode_dockerfile,
+    render_worker_script,
+    service_name,
+    ssh_secret_name,
+)
+from kiln.triton.deploy.launch import (
+    ORCHESTRATOR_ENV,
+    launch_command,
+    mpirun_command,
+    render_launch_script,
+    server_command,
+)
 from kiln.triton.deploy.render import (
     K8S_FILES,
     compose_spec,
-    container_security_context,
-    k8s_objects,
-    launch_command,
-    mpirun_command,
-    pod_security_context,
-    pvc_name,
-    ORCHESTRATOR_ENV,
-    render_launch_script,
-    render_leader_script,
-    render_multinode_dockerfile,
     render_readme,
-    render_worker_script,
-    server_command,
-    service_name,
-    ssh_secret_name,
     write_deploy_files,
 )
 from kiln.triton.deploy.validate import (

@@ -42,14 +42,14 @@ from kiln.recipe.containers import row_for
 from kiln.recipe.schema import Recipe
 from kiln.plan.host import PodSizing
 from kiln.triton.deploy.info import CONTAINER_REPO, SHM_SIZE_GIB, RepoPull, k8s_name
-from kiln.triton.deploy.render import (
-    _dump_yaml,
+from kiln.triton.deploy.k8s import (
     container_security_context,
     init_container,
     pod_security_context,
     repo_mount,
     repo_volumes,
 )
+from kiln.triton.deploy.render import _dump_yaml
 
 DYNAMO_DIR = "dynamo"
 #: The Dynamo release whose interfaces kiln writes against (the tests' PyPI release).
@@ -193,7 +193,6 @@ def frontend_component(d: DynamoDeploy) -> dict[str, Any]:
 def worker_component(d: DynamoDeploy, name: str, mode: str, replicas: int) -> dict[str, Any]:
     """TensorRT-LLM workers (``mode`` agg → type worker; prefill; decode), each tp × pp GPUs."""
     kind = {"agg": "worker", "prefill": "prefill", "decode": "decode"}[mode]
-    gpus = d.gpus
     container = {
         "name": "main",
         "image": d.image,

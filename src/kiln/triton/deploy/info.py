@@ -1,7 +1,7 @@
 """What a deployment needs to know about a packaged recipe (:class:`DeployInfo`), and the names derived from it.
 
-Shared by :mod:`kiln.triton.deploy.render` (which writes the files) and :mod:`kiln.triton.deploy.validate`
-(which checks Kubernetes objects). See :mod:`kiln.triton.deploy` for the whole picture and the sources.
+Shared by :mod:`kiln.triton.deploy.render`, :mod:`~kiln.triton.deploy.launch` and :mod:`~kiln.triton.deploy.k8s`
+(which write the files) and :mod:`kiln.triton.deploy.validate` (which checks Kubernetes objects). See :mod:`kiln.triton.deploy` for the whole picture and the sources.
 """
 
 from __future__ import annotations
