@@ -6,6 +6,7 @@ ever presented as a GPU run):
 * :func:`stub_repository` — a packaged repository's shape (kiln.json, a tensorrt_llm config naming its engine
   under /models, the engine check script) for the launch-script tests.
 * :func:`nvidia_smi` — an ``nvidia-smi`` that lists the GPUs a test chooses.
+* :func:`llmapi_repository` — an llmapi repository as kiln packages it, over a stand-in checkpoint.
 """
 
 from __future__ import annotations
@@ -157,3 +158,20 @@ def hub_cache(model_dir: Path, hub_root: Path, repo_id: str) -> Path:
 
     with hub_server(model_dir, repo_id) as url:
         return Path(snapshot_download(repo_id, cache_dir=hub_root, endpoint=url))
+
+
+def llmapi_repository(tmp_path: Path, quant_algo: str, overrides: list[str]) -> Path:
+    """An llmapi repository as kiln packages configs/tiny-llama.yaml with ``overrides``, over a stand-in checkpoint
+    (config.json and hf_quant_config.json with ``quant_algo`` only: lint reads no weights)."""
+    from kiln.recipe.loader import load_recipe
+    from kiln.triton.llmapi_repository import write_llmapi_repository
+
+    ckpt = tmp_path / "unified"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (ckpt / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": quant_algo}}))
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "configs" / "tiny-llama.yaml", overrides).recipe
+    out = tmp_path / "repo"
+    out.mkdir()
+    write_llmapi_repository(recipe, ckpt, out, 512)
+    return out

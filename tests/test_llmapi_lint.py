@@ -11,6 +11,7 @@ import pytest
 from kiln.recipe.loader import load_recipe
 from kiln.triton.lint import lint_repository
 from kiln.triton.llmapi_repository import write_llmapi_repository
+from tests.standins import llmapi_repository
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,15 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def repo(tmp_path: Path) -> Path:
     """An llmapi repository as kiln packages it, over a stand-in checkpoint (config.json and hf_quant_config.json
     only: lint reads no weights)."""
-    ckpt = tmp_path / "unified"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    (ckpt / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "W4A16_AWQ"}}))
-    recipe = load_recipe(REPO_ROOT / "configs" / "tiny-llama.yaml", ["target=pytorch"]).recipe
-    out = tmp_path / "repo"
-    out.mkdir()
-    write_llmapi_repository(recipe, ckpt, out, 512)
-    return out
+    return llmapi_repository(tmp_path, "W4A16_AWQ", ["target=pytorch"])
 
 
 def _errors(repo: Path) -> list[str]:

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from kiln.recipe import formats
-from kiln.recipe.loader import load_recipe
 from kiln.triton.lint import lint_repository
-from kiln.triton.llmapi_repository import write_llmapi_repository
+from tests.standins import llmapi_repository
 
 from tests.conftest import CONFIGS
 
@@ -24,15 +23,7 @@ RECIPE = CONFIGS / "tiny-llama.yaml"
 def repo(tmp_path: Path) -> Path:
     """An llmapi repository as kiln packages it for TensorRT-LLM 1.3.0rc29, over a stand-in checkpoint (config.json
     and hf_quant_config.json only: lint reads no weights)."""
-    ckpt = tmp_path / "unified"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    (ckpt / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
-    recipe = load_recipe(RECIPE, ["target=pytorch", "engine_runtime.trtllm_version=1.3.0rc29"]).recipe
-    out = tmp_path / "repo"
-    out.mkdir()
-    write_llmapi_repository(recipe, ckpt, out, 512)
-    return out
+    return llmapi_repository(tmp_path, "FP8", ["target=pytorch", "engine_runtime.trtllm_version=1.3.0rc29"])
 
 
 def _errors(repo: Path) -> list[str]:
