@@ -269,6 +269,55 @@ def test_missing_repository_is_an_input_error(tmp_path: Path) -> None:
         TritonServer(_config(tmp_path / "nope")).start()
 
 
+# The child: starts `sleep` the way TritonServer starts tritonserver (optionally with setpriv hidden), prints
+# its pid, and waits to be SIGKILLed.
+_ORPHAN_PARENT = """
+import shutil, subprocess, sys, time
+from kiln.serve import server
+if sys.argv[1] == "no-setpriv":
+    real = shutil.which
+    server.shutil.which = lambda name, *a, **k: None if name == "setpriv" else real(name, *a, **k)
+cmd, hook = server.die_with_parent(["sleep", "60"])
+assert (cmd[0].endswith("setpriv")) == (sys.argv[1] == "setpriv") and (hook is None) == (sys.argv[1] == "setpriv")
+proc = subprocess.Popen(cmd, preexec_fn=hook, start_new_session=True)
+print(proc.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("way", ["setpriv", "no-setpriv"])
+def test_a_started_server_dies_with_the_process_that_started_it(way: str) -> None:
+    """No orphaned servers: SIGKILL the starter and its child goes too, with or without util-linux's setpriv."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    if way == "setpriv" and shutil.which("setpriv") is None:
+        pytest.skip("util-linux's setpriv is not on PATH")
+    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_PARENT, way], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    os.kill(child, 0)  # running
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        # a zombie whose parent died is reaped by init; /proc shows it gone or 'Z'
+        state = Path(f"/proc/{child}/stat").read_text().split(") ")[-1][:1] if Path(f"/proc/{child}").exists() else "X"
+        if state in ("Z", "X"):
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail(f"the child {child} outlived the process that started it")
+
+
 @pytest.mark.integration
 def test_server_starts_serves_stops_and_cleans_shared_memory(tmp_path: Path) -> None:
     import numpy as np

@@ -199,22 +199,31 @@ def _check_numpy() -> None:
         )
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A pre-exec hook asking Linux to SIGTERM the server when this process dies (no orphaned servers).
+def die_with_parent(cmd: list[str]) -> tuple[list[str], Callable[[], None] | None]:
+    """``cmd`` arranged so Linux SIGTERMs it when the thread that starts it dies (no orphaned servers).
 
-    Only used from the main thread: the signal fires when the *thread* that started the server exits.
+    Returns the command and a pre-exec hook for :class:`subprocess.Popen`. Where util-linux's ``setpriv`` is on
+    PATH the command is prefixed with ``setpriv --pdeathsig TERM --`` (it sets the flag and execs the server, so
+    the pid is the server's) and there is no hook: nothing runs in the forked child before exec. That matters in
+    a process with other threads (gRPC clients, torch): Python code between fork and exec may touch a lock
+    another thread held at fork time, and a ``ctypes`` lookup there once crashed the child with SIGSEGV before
+    the server wrote a line. Without ``setpriv`` the hook calls a ``prctl`` resolved here, in the parent.
+    The signal fires when the *thread* that started the child exits, so callers use this from the main thread.
     """
     if not sys.platform.startswith("linux"):
-        return None
+        return cmd, None
+    setpriv = shutil.which("setpriv")
+    if setpriv is not None:
+        return [setpriv, "--pdeathsig", "TERM", "--", *cmd], None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return cmd, None
 
     def hook() -> None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
+        prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
-    return hook
+    return cmd, hook
 
 
 def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -308,6 +317,9 @@ class TritonServer:
             self._own_log = self.log_file = Path(name)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
+        hook = None
+        if threading.current_thread() is threading.main_thread():
+            cmd, hook = die_with_parent(cmd)
         with self.log_file.open("wb") as log:
             self.proc = subprocess.Popen(
                 cmd,
@@ -316,7 +328,7 @@ class TritonServer:
                 stdin=subprocess.DEVNULL,
                 env=server_environment(lib_dirs=self._lib_dirs()),
                 start_new_session=True,  # its own process group: stop() can reach the backend stubs too
-                preexec_fn=_die_with_parent() if threading.current_thread() is threading.main_thread() else None,
+                preexec_fn=hook,
             )
         try:
             self._wait_ready(timeout_s)
