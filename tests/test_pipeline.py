@@ -245,7 +245,7 @@ def _slow_build(recipe_file: str, build_root: str, repo_root: str, q) -> None:
 
 
 def test_concurrent_builds_wait_and_share_one_set_of_artifacts(recipe_file, layout):
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("spawn")  # fork() in a pytest process with gRPC/torch threads can hang the child
     q = ctx.Queue()
     procs = [ctx.Process(target=_slow_build, args=(str(recipe_file), str(layout.build_root), str(layout.repo_root), q))
              for _ in range(2)]
