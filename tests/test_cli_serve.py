@@ -314,6 +314,39 @@ def test_serve_docker_refuses_a_reference_repository_and_a_missing_docker(kiln, 
     assert "Traceback" not in result.output
 
 
+def test_the_serving_command_under_podman_gets_gpus_through_cdi_and_no_shm_size(tmp_path, monkeypatch):
+    """The doctor serves with the engine its jobs ran in: podman refuses --shm-size beside --ipc=host (exit 125,
+    container_engines.yaml) and takes GPUs as CDI devices; docker's command stays NVIDIA's documented one."""
+    from kiln.runtime.engine_runtime import argv_problems
+    from kiln.serve.server import ServerConfig
+    from kiln.serve.session import docker_command, serving_engine
+    from kiln.util.errors import InputError
+
+    info = {"container": "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3",
+            "server_command": ["tritonserver", "--model-repository=/models", "--http-port=8000"]}
+    cfg = ServerConfig(repo=tmp_path, http_port=9000, grpc_port=9001, metrics_port=9002)
+    podman = docker_command(tmp_path, info, cfg, engine="podman", exe="/usr/bin/podman")
+    assert podman[:10] == ["/usr/bin/podman", "run", "--rm", "--device", "nvidia.com/gpu=all", "--security-opt",
+                           "label=disable", "--ipc=host", "--ulimit", "memlock=-1"]
+    assert not any(a.startswith("--shm-size") for a in podman) and "--gpus" not in podman
+    assert podman[podman.index("-p127.0.0.1:9000:8000") + 1:][:3] == ["-v", f"{tmp_path.resolve()}:/models:ro",
+                                                                     info["container"]]
+    assert argv_problems("podman", podman, rootless=False, host_env={}) == []
+    docker = docker_command(tmp_path, info, cfg, engine="docker", exe="docker")
+    assert docker[1:len(DOCKER_RUN) + 1] == DOCKER_RUN
+    with pytest.raises(InputError, match="docker or podman, not apptainer"):
+        docker_command(tmp_path, info, cfg, engine="apptainer", exe="apptainer")
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "podman").write_text("#!/bin/sh\n")
+    (bin_dir / "podman").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert serving_engine() == ("podman", str(bin_dir / "podman"))  # the only one here
+    assert serving_engine("apptainer") == ("podman", str(bin_dir / "podman"))  # apptainer publishes no ports
+    assert serving_engine("docker", "/opt/docker") == ("docker", "/opt/docker")  # the jobs' engine first
+
+
 # ============================================================================ plan
 def test_plan_prints_the_tables_and_json_of_a_shipped_gpu_recipe(kiln):
     from kiln.plan import plan_for

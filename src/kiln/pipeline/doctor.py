@@ -79,6 +79,7 @@ def _steps(loaded: LoadedRecipe) -> list[str]:
 def plan(build_root: Path, targets: tuple[str, ...] = TARGETS) -> list[Verdict]:
     """What the doctor runs, step by step, for ``targets`` (starts nothing)."""
     from kiln.runtime.engine_runtime import engine_runtime_for
+    from kiln.serve.session import serving_engine
 
     rows = []
     for target in targets:
@@ -94,8 +95,9 @@ def plan(build_root: Path, targets: tuple[str, ...] = TARGETS) -> list[Verdict]:
         }
         rows.append(Verdict(target, "probe", "would run", f"versions and GPUs as {rt.describe()} reports them"))
         rows += [Verdict(target, s, "would run", what.get(s, s)) for s in _steps(loaded)]
-        rows.append(Verdict(target, "serve", "would run", "the repository in its serving container (docker run … "
-                            "tritonserver), one greedy request of "
+        serve_engine, _ = serving_engine(getattr(rt, "engine", None), getattr(rt, "exe", None))
+        rows.append(Verdict(target, "serve", "would run", f"the repository in its serving container ({serve_engine} "
+                            "run … tritonserver), one greedy request of "
                             f"{MAX_TOKENS} tokens for {PROMPT!r}"))
         rows.append(Verdict(target, "compare", "would run", "that output against kiln's CPU reference runtime on "
                             "the same checkpoint and quantizers"))
@@ -156,9 +158,9 @@ def reference_greedy(quantize_dir: Path, prompt: str = PROMPT, max_tokens: int =
 
 
 def serve_greedy(repo: Path, log: Path, prompt: str = PROMPT, max_tokens: int = MAX_TOKENS,
-                 timeout_s: float = 600.0) -> str:
-    """Serve ``repo`` in its serving container (kiln serve --docker's command, named so it can be stopped), send
-    one greedy request, stop it."""
+                 timeout_s: float = 600.0, engine: str = "docker", exe: Optional[str] = None) -> str:
+    """Serve ``repo`` in its serving container (kiln serve --docker's command, run by the container engine the
+    build's jobs ran in, named so it can be stopped), send one greedy request, stop it."""
     import urllib.request
 
     from kiln.serve.client import generate_http
@@ -167,7 +169,7 @@ def serve_greedy(repo: Path, log: Path, prompt: str = PROMPT, max_tokens: int = 
 
     info = json.loads((repo / "kiln.json").read_text())
     cfg = ServerConfig(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-    cmd = docker_command(repo, info, cfg)
+    cmd = docker_command(repo, info, cfg, engine=engine, exe=exe)
     name = f"kiln-doctor-{uuid.uuid4().hex[:8]}"
     cmd = [cmd[0], cmd[1], "--name", name, *cmd[2:]]
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -193,7 +195,7 @@ def serve_greedy(repo: Path, log: Path, prompt: str = PROMPT, max_tokens: int = 
             model = "ensemble" if info.get("layout") != "llmapi" else (info.get("tensorrt_llm_models") or ["tensorrt_llm"])[0]
             return generate_http(url, prompt, max_tokens, model=model, temperature=0.0, top_k=1)
         finally:
-            subprocess.run(["docker", "stop", name], capture_output=True, timeout=120, check=False)
+            subprocess.run([cmd[0], "stop", name], capture_output=True, timeout=120, check=False)
             proc.wait(timeout=120)
 
 
@@ -204,6 +206,7 @@ def run(build_root: Path, repo_root: Path, progress: Callable[[str], None] = lam
     from kiln.pipeline.runner import run as run_pipeline
     from kiln.recipe.gpus import detect_gpus
     from kiln.runtime.engine_runtime import engine_runtime_for, read_versions
+    from kiln.serve.session import serving_engine
 
     report = DoctorReport()
     report.problems = host_problems(build_root, targets)
@@ -250,7 +253,8 @@ def run(build_root: Path, repo_root: Path, progress: Callable[[str], None] = lam
         repo = repo_root / "doctor" / loaded.recipe.name
         serve_log = root / loaded.recipe.name / "logs" / "serve.log"
         try:
-            served = serve_greedy(repo, serve_log)
+            engine, exe = serving_engine(getattr(rt, "engine", None), getattr(rt, "exe", None))
+            served = serve_greedy(repo, serve_log, engine=engine, exe=exe)
             report.verdicts.append(Verdict(target, "serve", "pass", f"{served!r}"))
         except Exception as exc:  # noqa: BLE001
             report.verdicts.append(Verdict(target, "serve", "fail", str(exc).splitlines()[0], serve_log))

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Optional
 
 from kiln.serve.openai import OpenAIConfig, OpenAIServer
 from kiln.serve.server import ServerConfig, ServerError, TritonServer, free_port, tail
-from kiln.serve.session import docker_command, serving_record, state_file_for
+from kiln.serve.session import docker_command, serving_engine, serving_record, state_file_for
 from kiln.util.errors import InputError
 
 
@@ -120,15 +120,16 @@ def openai_endpoint(repo: Path, state_dir: Path, log_dir: Path, gpu_here: bool, 
                          "none: run the task gate on a GPU host (kiln build RECIPE there), or build here with "
                          "--to package and leave the gate to the GPU host")
     cfg = ServerConfig(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-    cmd = docker_command(repo, info, cfg)
+    engine, exe = serving_engine()
+    cmd = docker_command(repo, info, cfg, engine=engine, exe=exe)
     log = log_dir / f"{name}-container.log"
     with log.open("wb") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
         try:
             _wait_http_ready(f"{cfg.host}:{cfg.http_port}", proc, log, timeout_s)
             with _front(repo, f"{cfg.host}:{cfg.grpc_port}", triton_model) as url:
-                note(f"{name}: {container} (docker, GPU), {url}")
-                yield Endpoint(url=url, model=name, how=f"{container} (docker, GPU)")
+                note(f"{name}: {container} ({engine}, GPU), {url}")
+                yield Endpoint(url=url, model=name, how=f"{container} ({engine}, GPU)")
         finally:
             proc.terminate()
             try:

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 from kiln.serve.openai import OpenAIConfig, OpenAIServer
 from kiln.serve.server import ServerConfig, ServerError, TritonServer, tail
-from kiln.util.errors import InputError
+from kiln.util.errors import InputError, KilnError
 
 STATE_DIR = Path("build") / ".serve"
 
@@ -221,17 +221,42 @@ def stop_background(state_file: Path, timeout_s: float = 30) -> bool:
     return True
 
 
-def docker_command(repo: Path, info: dict, cfg: ServerConfig) -> list[str]:
-    """`docker run` of the serving container named in the repository's kiln.json (the one that built the engine,
-    pinned by digest when known), the repository mounted read-only at /models. Inside, the repository's engine
-    check runs first (it refuses an engine built by other TensorRT-LLM/TensorRT versions, with the rebuild
-    command), then kiln.json's server command (mpirun leader mode or orchestrator mode included)."""
+SERVE_ENGINES = ("docker", "podman")
+"""Container engines that can serve a repository: each publishes the server's ports on the host."""
+
+
+def serving_engine(preferred: Optional[str] = None, exe: Optional[str] = None) -> tuple[str, Optional[str]]:
+    """(engine, executable) that serves a repository: ``preferred`` (the engine the build's jobs ran in) when it
+    is docker or podman, else the first of them on PATH, else docker (whose command then says it is missing)."""
+    if preferred in SERVE_ENGINES:
+        return preferred, exe or shutil.which(preferred)
+    for name in SERVE_ENGINES:
+        found = shutil.which(name)
+        if found:
+            return name, found
+    return "docker", None
+
+
+def docker_command(repo: Path, info: dict, cfg: ServerConfig, engine: str = "docker",
+                   exe: Optional[str] = None) -> list[str]:
+    """`docker run` (or `podman run`) of the serving container named in the repository's kiln.json (the one that
+    built the engine, pinned by digest when known), the repository mounted read-only at /models. Inside, the
+    repository's engine check runs first (it refuses an engine built by other TensorRT-LLM/TensorRT versions, with
+    the rebuild command), then kiln.json's server command (mpirun leader mode or orchestrator mode included).
+
+    podman gets the GPUs through CDI (``--device nvidia.com/gpu=all``) and no ``--shm-size``, which it refuses
+    beside ``--ipc=host``; the command is checked against the engines' documented rules like every job's."""
+    from kiln.runtime.engine_runtime import argv_problems
+
     image = info.get("container")
     if not image:
         raise InputError(f"{repo}/kiln.json names no serving container: `--docker` serves tensorrt-target "
                          "repositories; serve the reference target without --docker")
-    if shutil.which("docker") is None:
-        raise InputError("docker is not installed here; serve without --docker, or run deploy/<recipe>/launch.sh "
+    if engine not in SERVE_ENGINES:
+        raise InputError(f"the serving container runs with docker or podman, not {engine}: publish the server's "
+                         "ports with one of them, or run deploy/<recipe>/launch.sh on a GPU host")
+    if exe is None and shutil.which(engine) is None:
+        raise InputError(f"{engine} is not installed here; serve without --docker, or run deploy/<recipe>/launch.sh "
                          "on a GPU host")
     server = list(info.get("server_command") or [])
     if not server:
@@ -243,9 +268,17 @@ def docker_command(repo: Path, info: dict, cfg: ServerConfig) -> list[str]:
     host_ports = {"--http-port": cfg.http_port, "--grpc-port": cfg.grpc_port, "--metrics-port": cfg.metrics_port}
     ports = [f"-p{cfg.host}:{host_ports[flag]}:{port}" for flag, port in container_ports.items()]
     inner = (shlex.join(check) + " && " if check else "") + "exec " + shlex.join(server)
-    return ["docker", "run", "--rm", "--gpus", "all", "--ipc=host", "--shm-size=4g", "--ulimit", "memlock=-1",
-            "--ulimit", "stack=67108864", *ports, "-v", f"{Path(repo).resolve()}:/models:ro", image, "bash", "-c",
-            inner]
+    if engine == "podman":
+        gpus = ["--device", "nvidia.com/gpu=all", "--security-opt", "label=disable", "--ipc=host"]
+    else:
+        gpus = ["--gpus", "all", "--ipc=host", "--shm-size=4g"]
+    argv = [exe or engine, "run", "--rm", *gpus, "--ulimit", "memlock=-1", "--ulimit", "stack=67108864", *ports,
+            "-v", f"{Path(repo).resolve()}:/models:ro", image, "bash", "-c", inner]
+    problems = argv_problems(engine, argv, rootless=True, host_env=os.environ)
+    if problems:
+        raise KilnError("kiln generated a serving command the container engine refuses (a bug in kiln):\n  - "
+                        + "\n  - ".join(problems) + "\n$ " + shlex.join(argv))
+    return argv
 
 
 def check_engine_here(repo: Path, info: dict) -> None:
