@@ -140,6 +140,8 @@ def test_the_recipe_sizes_the_graph(written) -> None:
      "podTemplate: template.spec.containers.0"),
     (lambda g: g["spec"]["components"][1]["podTemplate"]["spec"]["securityContext"].pop("runAsNonRoot"),
      "runAsNonRoot"),
+    (lambda g: g["spec"]["components"][1].__setitem__("name", "decode_worker"),  # upstream's pattern (df7deed0)
+     "spec.components.1.name: 'decode_worker' does not match"),
 ])
 def test_a_broken_manifest_fails_validation(written, break_it, expected) -> None:
     out, _ = written
