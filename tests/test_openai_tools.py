@@ -7,7 +7,9 @@ lm-eval 0.4.13's ``local-completions`` ran a loglikelihood task and a generate_u
 ``max_tokens: 1`` for loglikelihood, ``stop`` for generate_until. Replayed here, the log-probabilities and
 top-1 alternatives the server returns must equal the served model's own, computed directly from the restored
 checkpoint on the same ids, and the generated text must equal Hugging Face greedy decoding cut at the stop.
-lm-eval itself is not needed (its requests are the fixture).
+guidellm 0.8.1 and AIPerf 0.13 each ran a small fixed-length streaming chat benchmark (``ignore_eos``,
+``min_tokens`` for AIPerf): replayed, every request gets the status it got and every stream the tokens it asked for.
+None of the tools is needed here (their requests are the fixtures).
 """
 
 from __future__ import annotations
@@ -182,3 +184,62 @@ def test_guidellm_requests_replayed_get_every_token_they_ask_for(openai_api) -> 
             assert events[-1] == "[DONE]"
             usage = json.loads(events[-2])["usage"]
             assert usage["completion_tokens"] == body["max_completion_tokens"], usage
+
+
+@pytest.mark.integration
+def test_aiperf_requests_replayed_stream_what_aiperf_parses_with_every_token_asked(openai_api, tiny_server) -> None:
+    """AIPerf 0.13 (``profile --endpoint-type chat --streaming``, its fixed-length extensions ``ignore_eos:true``
+    and ``min_tokens`` via ``--extra-inputs``) probes ``/metrics`` for Prometheus server metrics (kiln's OpenAI port
+    answers 404; AIPerf then runs without them) and streams chat with ``max_completion_tokens`` and
+    ``stream_options.include_usage``. What it parses (aiperf/endpoints/openai_chat.py): ``object``
+    ``chat.completion.chunk``, ``choices[0].delta.content``, and ``usage`` from whichever event carries it. Each
+    replayed request answers the recorded status; each stream is chunks, then one usage event (no choices) with
+    exactly the asked tokens, then ``[DONE]``; and the requests kiln builds for the served model carry
+    ``end_id -1`` and ``min_tokens`` (test_the_reference_runtime_honours_end_id_minus_one_and_min_tokens shows the
+    runtime honours them; the tiny model never ends on its own within 8 tokens, so the count alone cannot)."""
+    import asyncio
+    import struct
+
+    import httpx
+
+    from kiln.serve.openai.backend import TritonBackend
+    from kiln.serve.openai.protocol import parse_request
+
+    data = recording("aiperf")
+    posts = [r for r in data["requests"] if r["method"] == "POST"]
+    assert len(posts) == 6 and all(r["body"]["ignore_eos"] is True and r["body"]["stream"] is True
+                                   and r["body"]["min_tokens"] == r["body"]["max_completion_tokens"] for r in posts)
+    with httpx.Client(base_url=openai_api[0].removesuffix("/v1"), timeout=120) as c:
+        for r in data["requests"]:
+            body = dict(r["body"], model=openai_api[1]) if r["body"] else None
+            resp = c.request(r["method"], r["path"], json=body)
+            assert resp.status_code == r["status"], (r["method"], r["path"], resp.text)
+            if r["method"] != "POST":
+                continue
+            events = [line[6:] for line in resp.text.split("\n\n") if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            chunks = [json.loads(e) for e in events[:-1]]
+            assert all(ch["object"] == "chat.completion.chunk" for ch in chunks)
+            assert [ch.get("usage") is not None for ch in chunks] == [False] * (len(chunks) - 1) + [True]
+            assert chunks[-1]["choices"] == []
+            usage = chunks[-1]["usage"]
+            assert usage["completion_tokens"] == body["max_completion_tokens"] and usage["prompt_tokens"] > 0 and \
+                usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"], usage
+            assert "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks[:-1])
+            assert [ch["choices"][0]["finish_reason"] for ch in chunks[:-1]][-1] == "length"
+
+    async def contract():
+        backend = TritonBackend(tiny_server.urls()["grpc"])
+        await backend.open()
+        try:
+            return backend, await backend.contract()
+        finally:
+            await backend.close()
+
+    backend, served = asyncio.run(contract())
+    for r in posts:
+        req = parse_request(json.dumps(r["body"]).encode(), chat=True)
+        msg = backend._request(req, "x", req.max_tokens, served)
+        sent = {t.name: raw for t, raw in zip(msg.inputs, msg.raw_input_contents)}
+        assert sent.get("end_id") == struct.pack("<i", -1), "ignore_eos: end_id -1, no token ends the generation"
+        assert sent.get("min_tokens") == struct.pack("<i", r["body"]["min_tokens"]), "min_tokens"
