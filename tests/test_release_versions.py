@@ -103,3 +103,25 @@ def test_lint_refuses_a_checkpoint_format_the_recorded_release_does_not_run(repo
     errors = _errors(repo)
     assert len(errors) == 1 and "the checkpoint is nvfp4: TensorRT-LLM 1.4.0rc2's PyTorch backend does not run " \
                                    "NVFP4" in errors[0], errors
+
+
+def test_a_release_without_a_triton_image_records_no_tritonserver_and_serve_docker_refuses_it(
+        tmp_path: Path, kiln) -> None:
+    """The release image of TensorRT-LLM 1.3.0rc29 carries trtllm-serve only (the container table): kiln.json records
+    its stacks and no tritonserver command, and `kiln serve --docker` refuses before running anything, naming the
+    deploy scripts that do serve it (a tritonserver command in that image would die with "command not found")."""
+    (tmp_path / "gpu").mkdir()
+    (tmp_path / "triton").mkdir()
+    gpu = llmapi_repository(tmp_path / "gpu", "FP8", ["target=pytorch", "serving.llmapi_runtime=tensorrt_llm",
+                                                      "engine_runtime.trtllm_version=1.3.0rc29"])
+    info = json.loads((gpu / "kiln.json").read_text())
+    assert info["container"] == "nvcr.io/nvidia/tensorrt-llm/release:1.3.0rc29"
+    assert info["stacks"] == ["trtllm-serve"] and info["server_command"] == []
+    result = kiln("serve", str(gpu), "--docker")
+    assert result.exit_code == 2, result.output
+    out = " ".join(result.output.split())
+    assert "tensorrt-llm/release:1.3.0rc29 carries no Triton server (TensorRT-LLM 1.3.0rc29: trtllm-serve only" in out
+    assert "deploy/tiny-llama/trtllm-serve/serve.sh or deploy/tiny-llama/dynamo/launch.sh" in out
+    triton = llmapi_repository(tmp_path / "triton", "FP8", ["target=pytorch", "serving.llmapi_runtime=tensorrt_llm"])
+    info = json.loads((triton / "kiln.json").read_text())
+    assert "triton-llmapi" in info["stacks"] and info["server_command"][0] == "tritonserver"

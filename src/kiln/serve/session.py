@@ -252,6 +252,14 @@ def docker_command(repo: Path, info: dict, cfg: ServerConfig, engine: str = "doc
     if not image:
         raise InputError(f"{repo}/kiln.json names no serving container: `--docker` serves tensorrt-target "
                          "repositories; serve the reference target without --docker")
+    stacks = info.get("stacks")
+    if stacks is not None and not any(s.startswith("triton-") for s in stacks):
+        name = info.get("recipe") or "<recipe>"
+        raise InputError(f"{image} carries no Triton server (TensorRT-LLM {info.get('serving_tensorrt_llm')}: "
+                         f"{', '.join(stacks)} only; no Triton image ships TensorRT-LLM after 1.2.1). Serve "
+                         f"{repo} with deploy/{name}/trtllm-serve/serve.sh or deploy/{name}/dynamo/launch.sh on a "
+                         "GPU host, or package the recipe with --set engine_runtime.trtllm_version=1.2.1 for a Triton "
+                         "repository")
     if engine not in SERVE_ENGINES:
         raise InputError(f"the serving container runs with docker or podman, not {engine}: publish the server's "
                          "ports with one of them, or run deploy/<recipe>/launch.sh on a GPU host")

@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
-from kiln.recipe.containers import container_for, strip_digest
+from kiln.recipe.containers import container_for, row_for, strip_digest
 from kiln.recipe.schema import Recipe, llmapi_runtime
 from kiln.triton.deploy.info import CONTAINER_REPO
 from kiln.triton.llmapi import (
@@ -106,6 +106,10 @@ def write_llmapi_repository(recipe: Recipe, checkpoint: Path, out: Path, max_seq
     container = serving_container(recipe, image, image_digest) if runtime == "tensorrt_llm" else None
     root = CONTAINER_REPO if container else str(final or out)
     command = server_command(DeployInfo.from_recipe(recipe, container or "kiln-reference"), root)
+    row = row_for(container) if container else None
+    stacks = list(row.stacks) if row is not None else None
+    if stacks is not None and "triton-llmapi" not in stacks:
+        command = []  # no tritonserver in this image (TensorRT-LLM after 1.2.1): kiln.json names none
     args = {k: v for k, v in data.items() if k != "triton_config"}
     info = {
         "kiln_repository_version": 2,
@@ -128,6 +132,8 @@ def write_llmapi_repository(recipe: Recipe, checkpoint: Path, out: Path, max_seq
         "models": sorted(p.name for p in out.iterdir() if p.is_dir()),
         "server_command": command,
         "check_command": [],
+        # the serving stacks the container carries (kiln's container table; None: the table does not know it)
+        "stacks": stacks,
         "llm_args": args,
         "llm_args_version": args_version,
         "trtllm_serve_command": trtllm_serve_command(recipe, f"{CONTAINER_REPO}/{MODEL_NAME}/1/{CHECKPOINT_DIR}",
