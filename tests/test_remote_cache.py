@@ -338,3 +338,44 @@ def test_the_package_entry_is_the_digest_its_deploy_files_were_given(recipe_file
     c = build(recipe_file, tmp_path / "c")
     assert statuses(c)["package"] == "pulled" and seen[-1].digest == first.digest
     assert a.failure is None and b.failure is None and c.failure is None
+
+
+def test_an_unchanged_output_is_not_read_again_to_name_its_digest(tmp_path, monkeypatch):
+    """With a remote cache every build names the package entry by digest: the parts of files whose size, mtime,
+    inode and mode are unchanged come from the memo (nothing read), a changed file is hashed again, and the digest
+    is always the one a full read gives."""
+    from kiln.util.artifacts import write_manifest
+
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    (out / "a.bin").write_bytes(os.urandom(3000))
+    (out / "sub" / "b.txt").write_text("bee" * 100)
+    (out / "empty").write_bytes(b"")
+    write_manifest(out, {"step": "package"})
+    manifest = read_manifest(out)
+    opened: list[str] = []
+    real_open = open
+
+    def counting_open(path, *a, **k):
+        opened.append(Path(path).name)
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(artifact, "open", counting_open, raising=False)
+
+    def predict(memo=None) -> str:
+        return artifact.predict_digest(out, manifest, 1024, {"k": "v"}, "2026-12-01T00:00:00+00:00", memo=memo)
+
+    store = tmp_path / "memo"
+    full = predict()
+    assert sorted(opened) == ["a.bin", "b.txt", "empty"]
+    opened.clear()
+    assert predict(artifact.PartMemo(out, store)) == full and len(opened) == 3  # first time: read, remembered
+    opened.clear()
+    assert predict(artifact.PartMemo(out, store)) == full and opened == []  # unchanged: nothing read
+    (out / "sub" / "b.txt").write_text("BEE" * 100)  # same size, new content and mtime
+    os.utime(out / "sub" / "b.txt", ns=(1, 2))
+    changed = predict(artifact.PartMemo(out, store))
+    assert opened == ["b.txt"] and changed != full and changed == predict()
+    opened.clear()
+    next(store.glob("*.json")).write_text("{not json")  # a broken memo costs a re-read, never a wrong digest
+    assert predict(artifact.PartMemo(out, store)) == changed and len(opened) == 3

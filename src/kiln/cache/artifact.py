@@ -24,6 +24,7 @@ from typing import Any, Optional, Protocol
 
 from kiln.cache.errors import BadArtifact
 from kiln.cache.registry import CHUNK, OCI_MANIFEST, Registry, sha256_digest
+from kiln.util.paths import cache_root
 
 ARTIFACT_TYPE = "application/vnd.kiln.step-output.v1"
 CONFIG_MEDIA = "application/vnd.kiln.step-manifest.v1+json"
@@ -119,18 +120,76 @@ class Entry:
         return sum(p.size for p in self.parts)
 
 
-def plan_parts(root: Path, files: dict[str, int], layer_bytes: int, meter: Meter = NullMeter()) -> list[Part]:
-    """Cut every listed file into parts of at most ``layer_bytes`` and hash each (reading every byte once)."""
+class PartMemo:
+    """The parts :func:`plan_parts` hashed before in one output folder, kept in kiln's cache folder
+    (``part-hashes/``): a file's parts are reused while its size, modification time (ns), inode, device and mode
+    are what they were when it was hashed (the check make and git's index make), so a build with a remote cache
+    names an unchanged repository's entry by digest without reading it again, and the push after a prediction
+    does not hash it twice. A memo that cannot be read or written only costs a re-read."""
+
+    def __init__(self, root: Path, store: Optional[Path] = None) -> None:
+        key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:32]
+        self.file = (store if store is not None else cache_root() / "part-hashes") / f"{key}.json"
+        self.changed = False
+        try:
+            data = json.loads(self.file.read_text(encoding="utf-8"))
+            self.entries: dict[str, Any] = data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            self.entries = {}
+
+    @staticmethod
+    def stamp(path: Path, layer_bytes: int) -> list[int]:
+        st = path.stat()
+        return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_mode & 0o777, layer_bytes]
+
+    def get(self, rel: str, stamp: list[int]) -> Optional[list[Part]]:
+        entry = self.entries.get(rel)
+        if not isinstance(entry, dict) or entry.get("stamp") != stamp:
+            return None
+        try:
+            return [Part(rel, int(o), int(n), stamp[0], str(d), stamp[4]) for o, n, d in entry["parts"]]
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def put(self, rel: str, stamp: list[int], parts: list[Part]) -> None:
+        self.entries[rel] = {"stamp": stamp, "parts": [[p.offset, p.size, p.digest] for p in parts]}
+        self.changed = True
+
+    def save(self, keep: set[str]) -> None:
+        """Write the memo (only the files in ``keep``: the output's files now) if it changed."""
+        stale = set(self.entries) - keep
+        if not (self.changed or stale):
+            return
+        data = {rel: e for rel, e in self.entries.items() if rel in keep}
+        tmp = self.file.with_name(f".{self.file.name}.{os.getpid()}.tmp")
+        try:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(data, sort_keys=True), encoding="utf-8")
+            os.replace(tmp, self.file)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+
+
+def plan_parts(root: Path, files: dict[str, int], layer_bytes: int, meter: Meter = NullMeter(),
+               memo: Optional[PartMemo] = None) -> list[Part]:
+    """Cut every listed file into parts of at most ``layer_bytes`` and hash each (reading every byte once; with
+    ``memo``, only the files that changed since it last saw them)."""
     if layer_bytes < 1:
         raise ValueError("layer_bytes must be positive")
     meter.phase("hashing", sum(files.values()))
     parts: list[Part] = []
     for rel in sorted(files):
         path = root / rel
-        size = path.stat().st_size
+        stamp = PartMemo.stamp(path, layer_bytes)
+        size, mode = stamp[0], stamp[4]
         if size != files[rel]:
             raise BadArtifact(f"{path} is {size} bytes, its manifest says {files[rel]}: the output changed")
-        mode = path.stat().st_mode & 0o777
+        known = memo.get(rel, stamp) if memo is not None else None
+        if known is not None:
+            parts += known
+            meter.advance(size)
+            continue
+        mine: list[Part] = []
         with open(path, "rb") as fh:
             offset = 0
             while offset < size or (size == 0 and offset == 0):
@@ -143,10 +202,15 @@ def plan_parts(root: Path, files: dict[str, int], layer_bytes: int, meter: Meter
                     h.update(block)
                     left -= len(block)
                     meter.advance(len(block))
-                parts.append(Part(rel, offset, n, size, "sha256:" + h.hexdigest(), mode))
+                mine.append(Part(rel, offset, n, size, "sha256:" + h.hexdigest(), mode))
                 offset += n
                 if size == 0:
                     break
+        if memo is not None and PartMemo.stamp(path, layer_bytes) == stamp:  # unchanged while it was read
+            memo.put(rel, stamp, mine)
+        parts += mine
+    if memo is not None:
+        memo.save(set(files))
     return parts
 
 
@@ -172,22 +236,23 @@ def _manifest_bytes(parts: list[Part], config: bytes, files: int, annotations: d
 
 
 def predict_digest(root: Path, step_manifest: dict[str, Any], layer_bytes: int, annotations: dict[str, str],
-                   created: str, meter: Meter = NullMeter()) -> str:
+                   created: str, meter: Meter = NullMeter(), memo: Optional[PartMemo] = None) -> str:
     """The manifest digest :func:`push` gives this output with the same ``created`` time: a function of the
     content alone, so files written before any push (deploy files) can name the entry by digest."""
     files = _complete_files(root, step_manifest)
-    parts = plan_parts(root, files, layer_bytes, meter)
+    parts = plan_parts(root, files, layer_bytes, meter, memo)
     return sha256_digest(_manifest_bytes(parts, config_bytes(step_manifest), len(files), annotations, created))
 
 
 def push(reg: Registry, tag: str, root: Path, step_manifest: dict[str, Any], layer_bytes: int,
-         annotations: dict[str, str], meter: Meter = NullMeter(), created: Optional[str] = None) -> Transfer:
+         annotations: dict[str, str], meter: Meter = NullMeter(), created: Optional[str] = None,
+         memo: Optional[PartMemo] = None) -> Transfer:
     """Push the complete output in ``root`` (its files as listed in ``step_manifest``) under ``tag`` (a tag, or
     the manifest's own digest to add it without moving a tag). ``created``: the creation annotation (default
     now); give one to get the digest :func:`predict_digest` said."""
     t0 = time.monotonic()
     files = _complete_files(root, step_manifest)
-    parts = plan_parts(root, files, layer_bytes, meter)
+    parts = plan_parts(root, files, layer_bytes, meter, memo)
     report = Transfer(layers=len(parts))
     meter.phase("pushing", sum(p.size for p in parts))
     for part in parts:

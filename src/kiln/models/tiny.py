@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.models.corpus import calibration_texts, corpus_digest, corpus_files, heldout_texts
 from kiln.util.errors import KilnError
+from kiln.util.paths import cache_root
 
 if TYPE_CHECKING:  # heavy imports stay lazy: importing this module must stay cheap
     import torch
@@ -113,16 +114,6 @@ def builtin_chat_template(source: str) -> str | None:
     from importlib import resources
 
     return (resources.files("kiln.models") / "data" / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
-
-
-def cache_root() -> pathlib.Path:
-    """kiln's cache directory: ``$KILN_CACHE_DIR``, else ``$XDG_CACHE_HOME/kiln``, else ``~/.cache/kiln``."""
-    explicit = os.environ.get("KILN_CACHE_DIR")
-    if explicit:
-        return pathlib.Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache"
-    return base / "kiln"
 
 
 def _library_versions() -> dict[str, str]:

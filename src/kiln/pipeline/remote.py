@@ -221,7 +221,8 @@ class RemoteCache:
 
     def _predict(self, p: "ScheduledStep", out_dir: Path, manifest: dict[str, Any]) -> str:
         return artifact.predict_digest(out_dir, manifest, self.section.layer_mb << 20,
-                                       self._annotations(p, manifest), str(manifest.get("started")))
+                                       self._annotations(p, manifest), str(manifest.get("started")),
+                                       memo=artifact.PartMemo(out_dir))
 
     def push(self, p: "ScheduledStep", out_dir: Path, step_manifest: dict[str, Any], built_here: bool) -> Optional[str]:
         """Push a complete output unless the registry has it already; its reference, or None (not shared, already
@@ -253,7 +254,8 @@ class RemoteCache:
             with self._meter(name) as meter:
                 transfer = artifact.push(self.registry, reference, out_dir, step_manifest,
                                          self.section.layer_mb << 20, self._annotations(p, step_manifest), meter,
-                                         created=str(step_manifest.get("started")) if pinned else None)
+                                         created=str(step_manifest.get("started")) if pinned else None,
+                                         memo=artifact.PartMemo(out_dir))
         except OSError as exc:
             self._fail(CacheError(f"reading {out_dir}: {exc.strerror or exc}"), f"pushing {name}",
                        "the output here is kept")

@@ -44,6 +44,7 @@ from pathlib import Path
 from types import TracebackType
 
 from kiln.util.errors import InputError, KilnError
+from kiln.util.paths import cache_root
 
 #: Prefix of the shared-memory regions the Python backend creates in /dev/shm.
 SHM_PREFIX = "triton_python_backend_shm_region_"
@@ -118,14 +119,6 @@ def find_tritonserver() -> Path:
     )
 
 
-def _cache_dir() -> Path:
-    """kiln's cache folder: ``$KILN_CACHE_DIR``, else ``$XDG_CACHE_HOME/kiln``, else ``~/.cache/kiln``."""
-    if os.environ.get("KILN_CACHE_DIR"):
-        return Path(os.environ["KILN_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "kiln"
-
-
 def python_backend_dir(pytriton_root: Path | None = None, cache_dir: Path | None = None) -> Path:
     """Lay out (once) a backend directory holding the wheel's Python backend for this interpreter.
 
@@ -147,7 +140,7 @@ def python_backend_dir(pytriton_root: Path | None = None, cache_dir: Path | None
         version = importlib.metadata.version("nvidia-pytriton")
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
-    target = (cache_dir or _cache_dir()) / "triton-backends" / f"pytriton-{version}-py{py}"
+    target = (cache_dir or cache_root()) / "triton-backends" / f"pytriton-{version}-py{py}"
     if (target / "python" / "triton_python_backend_stub").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
