@@ -277,12 +277,23 @@ from kiln.serve import server
 if sys.argv[1] == "no-setpriv":
     real = shutil.which
     server.shutil.which = lambda name, *a, **k: None if name == "setpriv" else real(name, *a, **k)
-cmd, hook = server.die_with_parent(["sleep", "60"])
-assert (cmd[0].endswith("setpriv")) == (sys.argv[1] == "setpriv") and (hook is None) == (sys.argv[1] == "setpriv")
-proc = subprocess.Popen(cmd, preexec_fn=hook, start_new_session=True)
+cmd = server.die_with_parent(["sleep", "60"])
+assert cmd[0].endswith("setpriv") if sys.argv[1] == "setpriv" else cmd[:2] == [sys.executable, "-c"], cmd
+proc = subprocess.Popen(cmd, start_new_session=True)
 print(proc.pid, flush=True)
 time.sleep(60)
 """
+
+
+def test_without_setpriv_a_starter_that_died_before_the_flag_was_set_is_not_outlived() -> None:
+    import subprocess
+    import sys
+
+    from kiln.serve import server
+
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", server._PDEATHSIG_EXEC, "1", "sleep", "60"], timeout=30)
+    assert run.returncode == 1 and time.monotonic() - started < 20  # pid 1 is not its parent: it never execs
 
 
 @pytest.mark.parametrize("way", ["setpriv", "no-setpriv"])
@@ -299,7 +310,10 @@ def test_a_started_server_dies_with_the_process_that_started_it(way: str) -> Non
     parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_PARENT, way], stdout=subprocess.PIPE, text=True)
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
-    os.kill(child, 0)  # running
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}/comm").read_text().strip() != "sleep":  # the child has become the server
+        assert time.monotonic() < deadline, "the child never exec'd"
+        time.sleep(0.01)
     parent.kill()
     parent.wait()
     deadline = time.monotonic() + 10

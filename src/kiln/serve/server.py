@@ -20,7 +20,6 @@ Example::
 
 from __future__ import annotations
 
-import ctypes
 import glob
 import importlib.metadata
 import importlib.util
@@ -38,7 +37,6 @@ import urllib.error
 import urllib.request
 import uuid
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -192,31 +190,29 @@ def _check_numpy() -> None:
         )
 
 
-def die_with_parent(cmd: list[str]) -> tuple[list[str], Callable[[], None] | None]:
+#: Run by a fresh interpreter (no threads, nothing forked from kiln's state) before it execs the server: asks Linux
+#: to SIGTERM the process when the thread that started it dies, then becomes the server (same pid).
+#: Its first argument is the starter's pid: a starter that died before the flag was set is noticed, not outlived.
+_PDEATHSIG_EXEC = ("import ctypes, os, signal, sys; ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM); "
+                   "os.getppid() == int(sys.argv[1]) or sys.exit(1); os.execvp(sys.argv[2], sys.argv[2:])")
+
+
+def die_with_parent(cmd: list[str]) -> list[str]:
     """``cmd`` arranged so Linux SIGTERMs it when the thread that starts it dies (no orphaned servers).
 
-    Returns the command and a pre-exec hook for :class:`subprocess.Popen`. Where util-linux's ``setpriv`` is on
-    PATH the command is prefixed with ``setpriv --pdeathsig TERM --`` (it sets the flag and execs the server, so
-    the pid is the server's) and there is no hook: nothing runs in the forked child before exec. That matters in
-    a process with other threads (gRPC clients, torch): Python code between fork and exec may touch a lock
-    another thread held at fork time, and a ``ctypes`` lookup there once crashed the child with SIGSEGV before
-    the server wrote a line. Without ``setpriv`` the hook calls a ``prctl`` resolved here, in the parent.
-    The signal fires when the *thread* that started the child exits, so callers use this from the main thread.
+    Where util-linux's ``setpriv`` is on PATH the command is prefixed with ``setpriv --pdeathsig TERM --``; else a
+    fresh Python interpreter sets the flag (``prctl(PR_SET_PDEATHSIG)``) and execs it. Either way the server keeps
+    the pid Popen returns and **nothing runs in the forked child before exec**: a ``preexec_fn`` did, and in a
+    process with other threads (gRPC's, torch's) it killed 1 to 9 children in 1500 before exec (SIGABRT/SIGSEGV:
+    gRPC's at-fork handlers and locks held at fork time; benchmarks/fork_safety.py measures it). The signal
+    fires when the *thread* that started the child exits, so callers use this from the main thread.
     """
     if not sys.platform.startswith("linux"):
-        return cmd, None
+        return cmd
     setpriv = shutil.which("setpriv")
     if setpriv is not None:
-        return [setpriv, "--pdeathsig", "TERM", "--", *cmd], None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return cmd, None
-
-    def hook() -> None:
-        prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-    return cmd, hook
+        return [setpriv, "--pdeathsig", "TERM", "--", *cmd]
+    return [sys.executable, "-c", _PDEATHSIG_EXEC, str(os.getpid()), *cmd]
 
 
 def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -310,9 +306,8 @@ class TritonServer:
             self._own_log = self.log_file = Path(name)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        hook = None
         if threading.current_thread() is threading.main_thread():
-            cmd, hook = die_with_parent(cmd)
+            cmd = die_with_parent(cmd)
         with self.log_file.open("wb") as log:
             self.proc = subprocess.Popen(
                 cmd,
@@ -321,7 +316,6 @@ class TritonServer:
                 stdin=subprocess.DEVNULL,
                 env=server_environment(lib_dirs=self._lib_dirs()),
                 start_new_session=True,  # its own process group: stop() can reach the backend stubs too
-                preexec_fn=hook,
             )
         try:
             self._wait_ready(timeout_s)
