@@ -200,6 +200,25 @@ def test_a_sound_entry_reads_and_pulls(sound, tmp_path):
         (tmp_path / "out" / "checkpoint" / "weights.bin").read_bytes()
 
 
+def test_a_pulled_file_is_never_writable_by_group_or_others(sound, tmp_path):
+    """An entry may say 777 (or 4777): the pulled file keeps the owner's and the read/execute bits, never anyone
+    else's write bit (a world-writable model.py is code any local user could change before tritonserver runs it)."""
+    reg, manifest, config = sound
+
+    def modes(m: dict, c: dict) -> None:
+        for layer in m["layers"]:
+            title = layer["annotations"]["org.opencontainers.image.title"]
+            layer["annotations"]["dev.kiln.file.mode"] = "4777" if title == "out.txt" else "666"
+
+    body, config_raw = _forge(manifest, config, modes)
+    reg.blobs[_sha(config_raw)] = config_raw
+    reg.manifests["t"] = body
+    (tmp_path / "dest").mkdir()
+    artifact.pull(reg, artifact.read_entry(reg, "t"), tmp_path / "dest")
+    assert (tmp_path / "dest" / "out.txt").stat().st_mode & 0o7777 == 0o755
+    assert (tmp_path / "dest" / "checkpoint" / "weights.bin").stat().st_mode & 0o7777 == 0o644
+
+
 @pytest.mark.parametrize("case", list(HOSTILE))
 def test_a_hostile_entry_is_refused_before_anything_is_written(sound, tmp_path, case):
     reg, manifest, config = sound

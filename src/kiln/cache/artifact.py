@@ -36,6 +36,8 @@ A_STEP, A_FINGERPRINT = "dev.kiln.step", "dev.kiln.fingerprint"
 A_RECIPE, A_VERSION = "dev.kiln.recipe", "dev.kiln.version"
 A_BYTES, A_FILES = "dev.kiln.bytes", "dev.kiln.files"
 MANIFEST_NAME = "manifest.json"
+PULLED_MODE_MASK = 0o755
+"""The most a pulled file's mode may be: an entry's group/other write bits are dropped."""
 MAX_CONFIG_BYTES = 16 << 20
 
 
@@ -451,10 +453,12 @@ def pull(reg: Registry, entry: Entry, dest: Path, meter: Meter = NullMeter()) ->
                     fh.close()
                 target = _inside(dest, part.path)
                 target.parent.mkdir(parents=True, exist_ok=True)
-                # A new regular file only (never through a link, never one written before), then its mode.
+                # A new regular file only (never through a link, never one written before), then its mode: the
+                # entry's, never writable by group or others (a world-writable model.py is code anyone here could
+                # change before tritonserver runs it), always readable and writable by its owner.
                 fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
                 fh, current = os.fdopen(fd, "wb"), part.path
-                os.chmod(target, part.mode | 0o600)
+                os.chmod(target, (part.mode & PULLED_MODE_MASK) | 0o600)
             if part.size == 0:
                 continue
             reg.fetch_blob(part.digest, part.size, fh, meter.advance)
