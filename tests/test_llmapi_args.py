@@ -248,3 +248,38 @@ def test_tensorrt_llm_1_2_1_speculative_fields_and_the_speculative_model_alias()
     assert llmapi.check_llm_args(eagle, "1.2.1") == []
     typo = {**base, "speculative_config": {**base["speculative_config"], "speculative_models": "/d"}}
     assert any("speculative_models: unknown key" in p for p in llmapi.check_llm_args(typo, "1.2.1"))
+
+
+@pytest.mark.parametrize("version", ["1.3.0rc29", "1.4.0rc2"])
+def test_what_kiln_writes_for_1_3_and_1_4_passes_their_tables(version) -> None:
+    """Issue 21: the 1.3/1.4 tables (from the release docs near each pin and a 1.3/1.4-era llm_args.py, see their
+    `sources`). Every key kiln writes passes; the speculative union's tags are the release's (Draft_Target, Eagle3:
+    the table's `kiln_names`); what a release dropped (onboard_blocks, 1.2's acceptance_window) is refused."""
+    pin = f"engine_runtime.trtllm_version={version}"
+    for overrides in VARIANTS:
+        data = llmapi.model_yaml(pytorch(pin, *overrides), 512)
+        args = {k: v for k, v in data.items() if k != "triton_config"}
+        assert llmapi.check_llm_args(args, version) == [], overrides
+    eagle = llmapi.model_yaml(pytorch(pin, *VARIANTS[-1]), 512)["speculative_config"]
+    assert eagle["decoding_type"] == "Eagle3" and eagle["speculative_model_dir"]
+    draft = llmapi.llm_args_for(load_recipe(DRAFT, ["target=pytorch", pin]).recipe, "ckpt", 512, "draft")
+    assert draft["speculative_config"]["decoding_type"] == "Draft_Target"
+    assert llmapi.check_llm_args(draft, version) == []
+    assert llmapi.llm_args_for(load_recipe(DRAFT, ["target=pytorch"]).recipe, "ckpt", 512,
+                               "draft")["speculative_config"]["decoding_type"] == "DraftTarget"  # 1.2.1 unchanged
+    base = {"model": "/m", "speculative_config": {"decoding_type": "DraftTarget", "max_draft_len": 4,
+                                                  "speculative_model_dir": "/d"}}
+    assert any("Input tag 'DraftTarget'" in p for p in llmapi.check_llm_args(base, version))
+    for edit, problem in [({"kv_cache_config": {"onboard_blocks": True}}, "kv_cache_config.onboard_blocks: unknown"),
+                          ({"speculative_config": {"decoding_type": "NGram", "max_draft_len": 4,
+                                                   "acceptance_window": 8}}, "acceptance_window: unknown")]:
+        assert any(problem in p for p in llmapi.check_llm_args({"model": "/m", **edit}, version)), edit
+    data = llmapi.llm_args_data(version)
+    for cls in data["classes"].values():
+        assert cls["source"] in data["sources"]
+        for field in cls["fields"].values():
+            assert field.get("source", cls["source"]) in data["sources"]
+    for variant in data["speculative"]["variants"].values():
+        assert variant.get("source", data["speculative"]["source"]) in data["sources"]
+    for source in data["sources"].values():
+        assert source["repo"] and source["path"] and source["commit"]

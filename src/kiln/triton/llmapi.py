@@ -76,6 +76,8 @@ def llm_args_data(version: str = DEFAULT_LLM_ARGS_VERSION) -> dict:
         return data
     # a release whose arguments are another's plus `changes` (its own `pinned`, `sources` and caveat)
     merged = copy.deepcopy(llm_args_data(str(base)))
+    # the base's sources stay (fields inherited unchanged still cite them); the release's own are added
+    merged["sources"] = {**(merged.get("sources") or {}), **(data.pop("sources", None) or {})}
     changes = data.pop("changes", None) or {}
     for name, spec in (changes.get("classes") or {}).items():
         fields = merged["classes"].setdefault(name, {"fields": {}})["fields"]
@@ -190,6 +192,13 @@ def check_llm_args(args: dict, version: str = DEFAULT_LLM_ARGS_VERSION) -> list[
 # ------------------------------------------------------------------------------------------ recipe → arguments
 
 
+def _table_version(recipe: Recipe) -> str:
+    """The release whose argument table names what kiln writes: the recipe's ``engine_runtime.trtllm_version`` when
+    kiln has a table for it (else the default; :func:`llm_args_version` is what refuses an unknown one)."""
+    version = recipe.engine_runtime.trtllm_version.strip()
+    return version if version in llm_args_versions() else DEFAULT_LLM_ARGS_VERSION
+
+
 def _speculative(recipe: Recipe, draft_path: Optional[str], strict: bool) -> Optional[dict]:
     sp = recipe.engine.speculative
     if sp.mode == "none":
@@ -199,7 +208,10 @@ def _speculative(recipe: Recipe, draft_path: Optional[str], strict: bool) -> Opt
         if not strict:
             return None
         raise ValueError(f"engine.speculative.mode {sp.mode} does not run on the pytorch target")
-    out: dict[str, Any] = {"decoding_type": kind}
+    # a release may spell kiln's decoding types differently (the table's `kiln_names`: 1.3/1.4 take Draft_Target
+    # and Eagle3, the tags of their discriminated SpeculativeConfig union)
+    names = llm_args_data(_table_version(recipe))["speculative"].get("kiln_names") or {}
+    out: dict[str, Any] = {"decoding_type": names.get(kind, kind)}
     if kind == "MTP":
         out["num_nextn_predict_layers"] = sp.max_draft_len
         return out
@@ -402,7 +414,8 @@ RECIPE_MAPPING: dict[str, tuple[str, str]] = {
     "engine.gather_context_logits": ("dropped", "a trtllm-build switch; the llmapi model asks the LLM for prompt "
                                      "log-probs per request (SamplingParams(prompt_logprobs=1)) instead"),
     "engine.speculative.mode": ("arg", "speculative_config.decoding_type (draft_tokens_external → DraftTarget, "
-                                "eagle → Eagle, ngram → NGram, mtp → MTP; medusa, lookahead_decoding and "
+                                "eagle → Eagle, ngram → NGram, mtp → MTP; on 1.3/1.4 Draft_Target and Eagle3, "
+                                "as the release's table names them; medusa, lookahead_decoding and "
                                 "explicit_draft_tokens are refused)"),
     "engine.speculative.max_draft_len": ("arg", "speculative_config.max_draft_len (mtp: num_nextn_predict_layers)"),
     "engine.speculative.draft_recipe": ("arg", "speculative_config.speculative_model_dir (the draft recipe's unified "
