@@ -64,8 +64,10 @@ def test_the_variants_emit_every_key_kiln_writes() -> None:
             "cuda_graph_config", "cuda_graph_config.max_batch_size", "speculative_config.max_matching_ngram_size",
             "speculative_config.num_nextn_predict_layers", "speculative_config.speculative_model_dir",
             "enable_chunked_prefill", "scheduler_config.capacity_scheduler_policy", "triton_config"} <= keys
-    variants = llmapi.llm_args_data()["speculative"]["variants"]
-    assert set(llmapi.DECODING_TYPE.values()) <= {k for k, v in variants.items() if v["pytorch"]}
+    spec = llmapi.llm_args_data()["speculative"]
+    written = {spec["kiln_names"].get(kind, kind) for kind in llmapi.DECODING_TYPE.values()}
+    assert written == {"Draft_Target", "Eagle3", "NGram", "MTP"}
+    assert written <= {k for k, v in spec["variants"].items() if v["pytorch"]}
 
 
 @pytest.mark.parametrize("edit, problem", [
@@ -75,9 +77,10 @@ def test_the_variants_emit_every_key_kiln_writes() -> None:
     ({"quant_config": {"quant_algo": "FP8"}}, "quant_config: unknown key"),  # TorchLlmArgs has none (checkpoint)
     ({"kv_cache_config": {"enable_kv_cache_reuse": True}}, "kv_cache_config.enable_kv_cache_reuse: unknown key"),
     ({"speculative_config": {"decoding_type": "Medusa", "max_draft_len": 4}}, "Medusa does not run on the PyTorch"),
-    ({"speculative_config": {"decoding_type": "DraftTarget", "max_draft_len": 4}},
-     "speculative_config.speculative_model: needed by DraftTarget"),
-    ({"speculative_config": {"decoding_type": "Draft_Target", "max_draft_len": 4}}, "speculative_config"),
+    ({"speculative_config": {"decoding_type": "Draft_Target", "max_draft_len": 4}},
+     "speculative_config.speculative_model: needed by Draft_Target"),
+    # the older from_dict spelling: the 1.2 line's union has no such tag
+    ({"speculative_config": {"decoding_type": "DraftTarget", "max_draft_len": 4}}, "Input tag 'DraftTarget'"),
     ({"scheduler_config": {"capacity_scheduler_policy": "guaranteed_no_evict"}},
      "scheduler_config.capacity_scheduler_policy"),
 ])
@@ -238,7 +241,7 @@ def test_tensorrt_llm_1_2_1_speculative_fields_and_the_speculative_model_alias()
     """1.2.1's DecodingBaseConfig (issue 20): `speculative_model` with `speculative_model_dir` as its alias,
     `draft_len_schedule`, `allow_advanced_sampling`; Eagle's `eagle3_model_arch`. A valid upstream model.yaml using
     them passes strict checking; a misspelling still fails."""
-    base = {"model": "/m", "speculative_config": {"decoding_type": "DraftTarget", "max_draft_len": 4}}
+    base = {"model": "/m", "speculative_config": {"decoding_type": "Draft_Target", "max_draft_len": 4}}
     for spec in ({"speculative_model": "/d"}, {"speculative_model_dir": "/d"},
                  {"speculative_model": "/d", "draft_len_schedule": {1: 4, 8: 0}, "allow_advanced_sampling": True}):
         args = {**base, "speculative_config": {**base["speculative_config"], **spec}}
@@ -266,10 +269,11 @@ def test_what_kiln_writes_for_1_3_and_1_4_passes_their_tables(version) -> None:
     assert draft["speculative_config"]["decoding_type"] == "Draft_Target"
     assert llmapi.check_llm_args(draft, version) == []
     assert llmapi.llm_args_for(load_recipe(DRAFT, ["target=pytorch"]).recipe, "ckpt", 512,
-                               "draft")["speculative_config"]["decoding_type"] == "DraftTarget"  # 1.2.1 unchanged
+                               "draft")["speculative_config"]["decoding_type"] == "Draft_Target"  # 1.2.1 the same
     base = {"model": "/m", "speculative_config": {"decoding_type": "DraftTarget", "max_draft_len": 4,
                                                   "speculative_model_dir": "/d"}}
     assert any("Input tag 'DraftTarget'" in p for p in llmapi.check_llm_args(base, version))
+    assert any("Input tag 'DraftTarget'" in p for p in llmapi.check_llm_args(base, "1.2.1"))
     for edit, problem in [({"kv_cache_config": {"onboard_blocks": True}}, "kv_cache_config.onboard_blocks: unknown"),
                           ({"speculative_config": {"decoding_type": "NGram", "max_draft_len": 4,
                                                    "acceptance_window": 8}}, "acceptance_window: unknown")]:

@@ -95,7 +95,7 @@ def test_draft_target_decoding_ships_the_draft_checkpoint_and_names_it_in_both_c
     info = write_llmapi_repository(recipe, ckpts["unified"], out, 8192, draft_checkpoint=ckpts["draft"])
     version = out / "tensorrt_llm" / "1"
     data = yaml.safe_load((version / "model.yaml").read_text())
-    assert data["speculative_config"] == {"decoding_type": "DraftTarget", "max_draft_len": 4,
+    assert data["speculative_config"] == {"decoding_type": "Draft_Target", "max_draft_len": 4,
                                           "speculative_model_dir": "draft_checkpoint"}
     assert (version / "draft_checkpoint" / "config.json").is_file()
     assert not [f for f in lint_repository(out) if f.severity == "error"]

@@ -258,7 +258,7 @@ class SpeculativeSection(Section):
     mode: SpeculativeMode = "none"
     """Speculative decoding mode (trtllm-build `--speculative_decoding_mode`). `draft_tokens_external` is
     draft+target decoding driven by the BLS model with a separate draft recipe (target pytorch: the LLM argument
-    speculative_config DraftTarget). Target pytorch also runs `eagle` (EAGLE3, with `draft_model`), `ngram` and
+    speculative_config Draft_Target). Target pytorch also runs `eagle` (EAGLE3, with `draft_model`), `ngram` and
     `mtp` (models with multi-token-prediction layers), and not medusa, lookahead_decoding or explicit_draft_tokens;
     `ngram` and `mtp` are pytorch-only."""
 

@@ -208,8 +208,8 @@ def _speculative(recipe: Recipe, draft_path: Optional[str], strict: bool) -> Opt
         if not strict:
             return None
         raise ValueError(f"engine.speculative.mode {sp.mode} does not run on the pytorch target")
-    # a release may spell kiln's decoding types differently (the table's `kiln_names`: 1.3/1.4 take Draft_Target
-    # and Eagle3, the tags of their discriminated SpeculativeConfig union)
+    # the release's spelling of kiln's decoding types (the table's `kiln_names`: Draft_Target and Eagle3, the tags
+    # of its discriminated SpeculativeConfig union)
     names = llm_args_data(_table_version(recipe))["speculative"].get("kiln_names") or {}
     out: dict[str, Any] = {"decoding_type": names.get(kind, kind)}
     if kind == "MTP":
@@ -413,9 +413,9 @@ RECIPE_MAPPING: dict[str, tuple[str, str]] = {
     "engine.workers": ("dropped", "parallel engine builds; nothing is built"),
     "engine.gather_context_logits": ("dropped", "a trtllm-build switch; the llmapi model asks the LLM for prompt "
                                      "log-probs per request (SamplingParams(prompt_logprobs=1)) instead"),
-    "engine.speculative.mode": ("arg", "speculative_config.decoding_type (draft_tokens_external → DraftTarget, "
-                                "eagle → Eagle, ngram → NGram, mtp → MTP; on 1.3/1.4 Draft_Target and Eagle3, "
-                                "as the release's table names them; medusa, lookahead_decoding and "
+    "engine.speculative.mode": ("arg", "speculative_config.decoding_type (draft_tokens_external → Draft_Target, "
+                                "eagle → Eagle3, ngram → NGram, mtp → MTP: the release table's `kiln_names`, the "
+                                "tags of its SpeculativeConfig union; medusa, lookahead_decoding and "
                                 "explicit_draft_tokens are refused)"),
     "engine.speculative.max_draft_len": ("arg", "speculative_config.max_draft_len (mtp: num_nextn_predict_layers)"),
     "engine.speculative.draft_recipe": ("arg", "speculative_config.speculative_model_dir (the draft recipe's unified "
