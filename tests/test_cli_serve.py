@@ -276,6 +276,24 @@ def test_serve_docker_runs_the_ngc_container_on_the_repository(kiln, standin_doc
                                                         "-p0.0.0.0:9002:8002"]
 
 
+def test_serve_docker_on_a_podman_only_host_runs_podman_with_cdi(kiln, tmp_path, monkeypatch):
+    """No docker here, podman is: `kiln serve --docker` runs the same container with podman's GPU and IPC flags."""
+    repo, image = tensorrt_repository(CONFIGS / "llama-3.1-8b" / "fp8.yaml", tiny_tokenizer(), tmp_path)
+    bin_dir = tmp_path / "podman-bin"
+    bin_dir.mkdir()
+    (bin_dir / "podman").write_text(STANDIN_DOCKER.format(python=sys.executable).replace("`docker`", "`podman`"))
+    (bin_dir / "podman").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.setenv("DOCKER_ARGV_FILE", str(tmp_path / "podman-argv.json"))
+    result = kiln("serve", repo, "--docker")
+    assert result.exit_code == 0, result.output
+    argv = json.loads((tmp_path / "podman-argv.json").read_text())
+    assert argv[:8] == ["run", "--rm", "--device", "nvidia.com/gpu=all", "--security-opt", "label=disable",
+                        "--ipc=host", "--ulimit"]
+    assert image in argv and not any(a.startswith("--shm-size") for a in argv)
+    assert "$ podman run --rm --device nvidia.com/gpu=all" in result.output
+
+
 def test_serve_docker_tp4_runs_one_tritonserver_per_rank_under_mpirun(kiln, standin_docker, tmp_path):
     repo, image = tensorrt_repository(CONFIGS / "llama-3.1-70b" / "fp8-tp4.yaml",
                                       tiny_tokenizer(), tmp_path)

@@ -56,7 +56,8 @@ def _prepare(target: str, overrides, build_dir: Path, repo_dir: Path):
 @click.option("--http-port", type=int, help="HTTP port (default: serving.http_port).")
 @click.option("--grpc-port", type=int, help="gRPC port (default: serving.grpc_port).")
 @click.option("--metrics-port", type=int, help="Metrics port (default: serving.metrics_port).")
-@click.option("--docker", is_flag=True, help="Run the NGC serving container named in the repository's kiln.json.")
+@click.option("--docker", is_flag=True, help="Run the NGC serving container named in the repository's kiln.json "
+              "(with docker, or podman where docker is absent).")
 @click.option("--background", is_flag=True, help="Detach once ready; stop it with `kiln stop`.")
 @click.option("--openai", "openai", is_flag=True,
               help="Also serve kiln's OpenAI-compatible API (/v1/completions, /v1/chat/completions) in front of Triton.")
@@ -81,7 +82,7 @@ def serve(target, overrides, host, http_port, grpc_port, metrics_port, docker, b
     from kiln.serve.openai import OpenAIConfig
     from kiln.serve.server import ServerConfig
     from kiln.serve.session import (check_engine_here, docker_command, run_docker, serve_foreground,
-                                    start_background, state_file_for)
+                                    serving_engine, start_background, state_file_for)
 
     repo, serving, loaded = _prepare(target, overrides, build_dir, repo_dir)
     cfg = ServerConfig(repo=repo, host=host or serving.host, http_port=http_port or serving.http_port,
@@ -95,7 +96,8 @@ def serve(target, overrides, host, http_port, grpc_port, metrics_port, docker, b
         if openai:
             raise InputError("--openai runs beside a local server; with --docker, run `kiln openai --triton-url "
                              "HOST:GRPC_PORT --repo REPO` next to the container")
-        cmd = docker_command(repo, info, cfg)
+        engine, _ = serving_engine()
+        cmd = docker_command(repo, info, cfg, engine=engine)
         err.print("$ " + " ".join(cmd), markup=False)
         sys.exit(run_docker(cmd))
     if info.get("layout") == "llmapi" and info.get("llmapi_runtime") == "tensorrt_llm":
