@@ -331,3 +331,20 @@ def test_the_1_2_1_table_takes_the_1_2_line_fields_kiln_did_not_know() -> None:
                                                  "begin_thinking_phase_token": 1, "end_thinking_phase_token": 2}}
     assert llmapi.check_llm_args(mtp, "1.2.1") == []
 
+
+def test_the_draft_checkpoint_is_named_by_its_container_path_outside_triton(tmp_path) -> None:
+    """model.yaml names the draft checkpoint relative to the version directory (kiln's llmapi model.py resolves it);
+    trtllm-serve and Dynamo's worker get its absolute path in the container, never the bare 'draft_checkpoint'
+    (which TensorRT-LLM would look up in its working directory or as a Hugging Face Hub id)."""
+    from kiln.triton.deploy.dynamo import DynamoDeploy, dynamo_image, write_dynamo_files
+
+    recipe = load_recipe(DRAFT, ["target=pytorch"]).recipe
+    args = llmapi.llm_args_for(recipe, llmapi.CHECKPOINT_DIR, 512, llmapi.DRAFT_DIR)
+    assert args["speculative_config"]["speculative_model_dir"] == "draft_checkpoint"
+    inside = "/models/tensorrt_llm/1/draft_checkpoint"
+    assert llmapi.container_llm_args(args, "/models")["speculative_config"]["speculative_model_dir"] == inside
+    assert args["speculative_config"]["speculative_model_dir"] == "draft_checkpoint"  # not changed in place
+    write_dynamo_files(DynamoDeploy.from_recipe(recipe, dynamo_image(recipe)), args, tmp_path)
+    options = yaml.safe_load((tmp_path / "dynamo" / "llm_options.yaml").read_text())
+    assert options["speculative_config"]["speculative_model_dir"] == inside
+    assert "model" not in options and llmapi.check_llm_args({**options, "model": "x"}) == []

@@ -387,6 +387,19 @@ def render_config(recipe: Recipe, runtime: Optional[str] = None) -> str:
 # ------------------------------------------------------------------------------------------ trtllm-serve
 
 
+def container_llm_args(args: dict[str, Any], repo_root: str) -> dict[str, Any]:
+    """The LLM arguments for a server started outside Triton (trtllm-serve, Dynamo's trtllm worker) with the packaged
+    repository mounted at ``repo_root``: the draft checkpoint, which model.yaml names relative to the version
+    directory (kiln's llmapi model.py resolves it there), named by its absolute path in the container. Left relative,
+    upstream's DecodingBaseConfig.speculative_model (a Hub id or a local directory) would resolve it against the
+    worker's working directory, or try it as a Hugging Face Hub id."""
+    spec = args.get("speculative_config")
+    if isinstance(spec, dict) and spec.get("speculative_model_dir") == DRAFT_DIR:
+        args = {**args, "speculative_config": {**spec, "speculative_model_dir":
+                                               f"{repo_root}/{MODEL_NAME}/1/{DRAFT_DIR}"}}
+    return args
+
+
 def trtllm_serve_options(args: dict[str, Any]) -> dict[str, Any]:
     """The ``--extra_llm_api_options`` file: every LLM argument but the positional model."""
     positional = llm_args_data()["trtllm_serve"]["positional"]
