@@ -287,3 +287,64 @@ def test_what_kiln_writes_for_1_3_and_1_4_passes_their_tables(version) -> None:
         assert variant.get("source", data["speculative"]["source"]) in data["sources"]
     for source in data["sources"].values():
         assert source["repo"] and source["path"] and source["commit"]
+
+
+@pytest.mark.parametrize("args, problem", [
+    # TrtLlmArgs fields only in the 1.2-line llm_args.py: TorchLlmArgs (extra="forbid") refuses them
+    ({"build_config": {"max_batch_size": 8}}, "build_config: unknown key"),
+    ({"fail_fast_on_attention_window_too_large": True}, "fail_fast_on_attention_window_too_large: unknown key"),
+    ({"backend": "tensorrt"}, "backend: Input should be 'pytorch'"),
+    ({"stream_interval": 0}, "stream_interval: Input should be greater than 0"),
+    ({"batch_wait_max_tokens_ratio": 1.5}, "batch_wait_max_tokens_ratio: Input should be less than or equal to 1"),
+    ({"kv_cache_config": {"free_gpu_memory_fraction": 1.5}}, "kv_cache_config.free_gpu_memory_fraction: Input should "
+                                                             "be less than or equal to 1"),
+    ({"kv_cache_config": {"max_attention_window": []}}, "kv_cache_config.max_attention_window: List should have at "
+                                                        "least 1 item"),
+    ({"cuda_graph_config": {"max_batch_size": -1}}, "cuda_graph_config.max_batch_size: Input should be greater than "
+                                                    "or equal to 0"),
+    ({"cuda_graph_config": {"batch_sizes": [1, 2, 4], "max_batch_size": 8}}, "max(batch_sizes) is 4"),
+    ({"scheduler_config": {"waiting_queue_policy": "priority"}}, "scheduler_config.waiting_queue_policy"),
+    ({"speculative_config": {"decoding_type": "NGram", "max_draft_len": 4, "max_matching_ngram_size": 0}},
+     "speculative_config.max_matching_ngram_size: Input should be greater than 0"),
+    ({"speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 0}},
+     "speculative_config.num_nextn_predict_layers: Input should be greater than 0"),
+    ({"speculative_config": {"decoding_type": "Eagle3", "max_draft_len": -1, "speculative_model": "/e"}},
+     "speculative_config.max_draft_len: Input should be greater than or equal to 0"),
+])
+def test_the_1_2_1_table_refuses_what_the_1_2_line_llm_args_refuses(args, problem) -> None:
+    """1.2.1.yaml compared with the 1.2-line llm_args.py (code-index 7019226376, `llm-args-1.2`): its constrained
+    types (NonNegativeInt, PositiveInt, Field bounds), backend Literal['pytorch'], the fields it moved to TrtLlmArgs
+    and CudaGraphConfig's batch_sizes/max_batch_size rule."""
+    problems = llmapi.check_llm_args({"model": "/m", **args}, "1.2.1")
+    assert any(problem in p for p in problems), problems
+
+
+def test_the_1_2_1_table_takes_the_1_2_line_fields_kiln_did_not_know() -> None:
+    args = {"model": "/m", "custom_tokenizer": "deepseek_v32", "pp_partition": [16, 16], "enable_sleep": False,
+            "env_overrides": {"NCCL_DEBUG": "INFO"}, "max_stats_len": 100, "backend": "pytorch",
+            "kv_cache_config": {"use_kv_cache_manager_v2": False, "max_util_for_resume": 0.9},
+            "scheduler_config": {"waiting_queue_policy": "fcfs", "dynamic_batch_config": {}},
+            "cuda_graph_config": {"batch_sizes": [1, 2, 8], "max_batch_size": 8},
+            "speculative_config": {"decoding_type": "PARD", "max_draft_len": 4, "mask_token_id": 7}}
+    assert llmapi.check_llm_args(args, "1.2.1") == []
+    mtp = {"model": "/m", "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 2,
+                                                 "begin_thinking_phase_token": 1, "end_thinking_phase_token": 2}}
+    assert llmapi.check_llm_args(mtp, "1.2.1") == []
+
+
+def test_the_draft_checkpoint_is_named_by_its_container_path_outside_triton(tmp_path) -> None:
+    """model.yaml names the draft checkpoint relative to the version directory (kiln's llmapi model.py resolves it);
+    trtllm-serve and Dynamo's worker get its absolute path in the container, never the bare 'draft_checkpoint'
+    (which TensorRT-LLM would look up in its working directory or as a Hugging Face Hub id)."""
+    from kiln.triton.deploy.dynamo import DynamoDeploy, dynamo_image, write_dynamo_files
+
+    recipe = load_recipe(DRAFT, ["target=pytorch"]).recipe
+    args = llmapi.llm_args_for(recipe, llmapi.CHECKPOINT_DIR, 512, llmapi.DRAFT_DIR)
+    assert args["speculative_config"]["speculative_model_dir"] == "draft_checkpoint"
+    inside = "/models/tensorrt_llm/1/draft_checkpoint"
+    assert llmapi.container_llm_args(args, "/models")["speculative_config"]["speculative_model_dir"] == inside
+    assert args["speculative_config"]["speculative_model_dir"] == "draft_checkpoint"  # not changed in place
+    write_dynamo_files(DynamoDeploy.from_recipe(recipe, dynamo_image(recipe)), args, tmp_path)
+    options = yaml.safe_load((tmp_path / "dynamo" / "llm_options.yaml").read_text())
+    assert options["speculative_config"]["speculative_model_dir"] == inside
+    assert "model" not in options and llmapi.check_llm_args({**options, "model": "x"}) == []

@@ -25,7 +25,8 @@ from importlib import resources
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt,
+                      ValidationError, create_model)
 from tritonclient.grpc import model_config_pb2 as mc
 
 from kiln.recipe.formats import kv_cache_format, registry
@@ -117,19 +118,26 @@ _STRICT = ConfigDict(extra="forbid", strict=True, arbitrary_types_allowed=True)
 def _type(text: str, namespace: dict[str, Any]) -> Any:
     """A field type written in the data file's typing notation (no builtins reachable but the type names)."""
     names = {"Optional": Optional, "List": list, "Dict": dict, "Literal": Literal, "Union": Union, "Any": Any, "bool": bool,
-             "int": int, "float": float, "str": str, "dict": dict, **namespace}
+             "int": int, "float": float, "str": str, "dict": dict, "NonNegativeInt": NonNegativeInt,
+             "PositiveInt": PositiveInt, "NonNegativeFloat": NonNegativeFloat, **namespace}
     return eval(text, {"__builtins__": {}}, names)  # noqa: S307 - kiln's own data file, no builtins
+
+
+#: Bounds a field of the data file may carry, as upstream's pydantic Field(ge=…, le=…, min_length=…) has them.
+_BOUNDS = ("ge", "le", "gt", "lt", "min_length")
 
 
 def _fields(spec: dict, namespace: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for name, field in (spec or {}).items():
         kind = _type(str(field["type"]), namespace)
-        alias = {"validation_alias": AliasChoices(name, *field["aliases"])} if field.get("aliases") else {}
+        extra: dict[str, Any] = {k: field[k] for k in _BOUNDS if k in field}
+        if field.get("aliases"):
+            extra["validation_alias"] = AliasChoices(name, *field["aliases"])
         if field.get("required"):
-            out[name] = (kind, Field(..., **alias))
+            out[name] = (kind, Field(..., **extra))
         else:
-            out[name] = (kind, Field(default=field.get("default"), **alias))
+            out[name] = (kind, Field(default=field.get("default"), **extra))
     return out
 
 
@@ -171,6 +179,13 @@ def check_llm_args(args: dict, version: str = DEFAULT_LLM_ARGS_VERSION) -> list[
             msg = f"unknown key (not an LLM argument of TensorRT-LLM {version})" if e["type"] == "extra_forbidden" \
                 else e["msg"]
             problems.append(f"{where}: {msg}")
+    cg = args.get("cuda_graph_config")
+    if isinstance(cg, dict) and isinstance(cg.get("batch_sizes"), list) and cg["batch_sizes"] \
+            and all(isinstance(b, int) for b in cg["batch_sizes"]) and cg.get("max_batch_size") not in (None, 0) \
+            and cg["max_batch_size"] != max(cg["batch_sizes"]):
+        # CudaGraphConfig.validate_cuda_graph_config (the 1.2-line llm_args.py): both given, they must agree
+        problems.append(f"cuda_graph_config.max_batch_size: {cg['max_batch_size']!r}, but max(batch_sizes) is "
+                        f"{max(cg['batch_sizes'])}: when both are given they must be equal (or leave max_batch_size out)")
     spec = data["speculative"]
     sc = args.get("speculative_config")
     if isinstance(sc, dict) and sc.get(spec["dispatch_key"]) in spec["variants"]:
@@ -370,6 +385,19 @@ def render_config(recipe: Recipe, runtime: Optional[str] = None) -> str:
 
 
 # ------------------------------------------------------------------------------------------ trtllm-serve
+
+
+def container_llm_args(args: dict[str, Any], repo_root: str) -> dict[str, Any]:
+    """The LLM arguments for a server started outside Triton (trtllm-serve, Dynamo's trtllm worker) with the packaged
+    repository mounted at ``repo_root``: the draft checkpoint, which model.yaml names relative to the version
+    directory (kiln's llmapi model.py resolves it there), named by its absolute path in the container. Left relative,
+    upstream's DecodingBaseConfig.speculative_model (a Hub id or a local directory) would resolve it against the
+    worker's working directory, or try it as a Hugging Face Hub id."""
+    spec = args.get("speculative_config")
+    if isinstance(spec, dict) and spec.get("speculative_model_dir") == DRAFT_DIR:
+        args = {**args, "speculative_config": {**spec, "speculative_model_dir":
+                                               f"{repo_root}/{MODEL_NAME}/1/{DRAFT_DIR}"}}
+    return args
 
 
 def trtllm_serve_options(args: dict[str, Any]) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from kiln.triton.llmapi import (
     MODEL_YAML,
     DEFAULT_LLM_ARGS_VERSION,
     check_llm_args,
+    container_llm_args,
     llm_args_version,
     check_triton_config,
     dequantize_table,
@@ -152,11 +153,7 @@ def write_trtllm_serve_files(recipe: Recipe, info: dict[str, Any], deploy_dir: P
     if serve_dir.exists():
         shutil.rmtree(serve_dir)
     serve_dir.mkdir(parents=True)
-    args = dict(info["llm_args"])
-    spec = args.get("speculative_config")
-    if isinstance(spec, dict) and spec.get("speculative_model_dir") == DRAFT_DIR:
-        args["speculative_config"] = {**spec, "speculative_model_dir": f"{CONTAINER_REPO}/{MODEL_NAME}/1/{DRAFT_DIR}"}
-    options = trtllm_serve_options(args)
+    options = trtllm_serve_options(container_llm_args(dict(info["llm_args"]), CONTAINER_REPO))
     version = llm_args_version(recipe)
     problems = check_llm_args({**options, "model": "checkpoint"}, version)
     if problems:

@@ -369,11 +369,13 @@ def render_readme(d: DynamoDeploy) -> str:
 def write_dynamo_files(d: DynamoDeploy, llm_args: dict[str, Any], deploy_dir: Path) -> list[Path]:
     """``deploy/<recipe>/dynamo/``: launch.sh, llm_options.yaml, k8s/graph-*.yaml, README.md; validated (raises
     ``ValueError`` listing every problem before anything is left half-written by the caller's atomic directory)."""
-    from kiln.triton.llmapi import dump_yaml
+    from kiln.triton.llmapi import container_llm_args, dump_yaml
 
     out = deploy_dir / DYNAMO_DIR
     (out / "k8s").mkdir(parents=True, exist_ok=True)
-    options = {k: v for k, v in llm_args.items() if k != "model"}
+    # the draft checkpoint by its path in the worker's container (model.yaml names it relative to the version
+    # directory, which only kiln's llmapi model.py resolves)
+    options = {k: v for k, v in container_llm_args(llm_args, CONTAINER_REPO).items() if k != "model"}
     options_text = dump_yaml(options, f"# LLM options (dynamo.trtllm --extra-engine-args) of kiln recipe "
                                       f"{d.recipe_name!r}: tensorrt_llm/1/model.yaml's LLM arguments")
     written = []
