@@ -12,6 +12,7 @@ from kiln.recipe.loader import load_recipe
 from kiln.triton.lint import lint_repository
 from kiln.triton.llmapi_repository import write_llmapi_repository
 from tests.standins import llmapi_repository
+from triton_harness import load_model_module, pb_utils  # noqa: F401 - pb_utils is a fixture
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,3 +106,59 @@ def test_draft_target_decoding_ships_the_draft_checkpoint_and_names_it_in_both_c
     assert options["speculative_config"]["speculative_model_dir"] == "/models/tensorrt_llm/1/draft_checkpoint"
     assert check_llm_args({**options, "model": "x"}) == []
     assert info["container"] and info["server_command"][0] == "tritonserver"
+
+
+def test_an_eagle3_head_reaches_the_server_as_a_packaged_folder_or_a_hub_id(tmp_path: Path, kiln,
+                                                                            pb_utils) -> None:
+    """mode eagle on target pytorch: a local head folder is linked into the repository (`eagle_head`, named relative
+    in model.yaml, by its container path for trtllm-serve/Dynamo); a hub head is written as TensorRT-LLM's Hub id
+    (`org/name`, never kiln's `hf:` form), and the shipped model.py resolves only paths that exist in its version
+    directory; a pinned @revision, which speculative_model cannot carry, is refused before any work."""
+    import yaml
+
+    from kiln.triton.llmapi import container_llm_args, model_yaml
+
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    ckpt = tmp_path / "unified"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    sets = ["target=pytorch", "serving.llmapi_runtime=tensorrt_llm", "engine.speculative.mode=eagle",
+            "engine.speculative.max_draft_len=3"]
+    recipe = load_recipe(REPO_ROOT / "configs" / "tiny-llama.yaml", [*sets, f"engine.speculative.draft_model={head}"])
+    out = tmp_path / "repo"
+    out.mkdir()
+    info = write_llmapi_repository(recipe.recipe, ckpt, out, 512, eagle_head=head)
+    version = out / "tensorrt_llm" / "1"
+    spec = yaml.safe_load((version / "model.yaml").read_text())["speculative_config"]
+    assert spec == {"decoding_type": "Eagle3", "max_draft_len": 3, "speculative_model_dir": "eagle_head"}
+    assert (version / "eagle_head" / "config.json").is_file()
+    assert container_llm_args(info["llm_args"], "/models")["speculative_config"]["speculative_model_dir"] == \
+        "/models/tensorrt_llm/1/eagle_head"
+
+    hub = load_recipe(REPO_ROOT / "configs" / "tiny-llama.yaml",
+                      [*sets, "engine.speculative.draft_model=hf:yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"]).recipe
+    assert model_yaml(hub, 512)["speculative_config"]["speculative_model_dir"] == "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+
+    # the shipped model.py: a relative path that exists is joined onto the version directory, a Hub id is left alone
+    model = load_model_module("llmapi")
+    data, _ = model.read_model_yaml(str(version))
+    assert data["speculative_config"]["speculative_model_dir"] == str(version / "eagle_head")
+    (version / "model.yaml").write_text((version / "model.yaml").read_text().replace(
+        "speculative_model_dir: eagle_head", "speculative_model_dir: yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"))
+    data, _ = model.read_model_yaml(str(version))
+    assert data["speculative_config"]["speculative_model_dir"] == "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+
+    # the package step links the local head (its content is a package input) and leaves a hub head to TensorRT-LLM
+    from kiln.steps import package
+
+    assert package._eagle_head(recipe.recipe) == head and package._eagle_head(hub) is None
+    hashes = package._sources_hash(recipe)
+    (head / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    assert package._sources_hash(recipe)["eagle_head"] != hashes["eagle_head"]
+
+    result = kiln("validate", REPO_ROOT / "configs" / "tiny-llama.yaml", *[a for s in sets for a in ("--set", s)],
+                  "--set", "engine.speculative.draft_model=hf:yuhuili/EAGLE3-LLaMA3.1-Instruct-8B@abc123")
+    assert result.exit_code != 0 and "engine.speculative.draft_model" in result.output
+    assert "without a revision" in " ".join(result.output.split())

@@ -210,6 +210,18 @@ def _repo_pull(loaded: LoadedRecipe, info: dict, source: Optional[EntrySourceLik
                     registry_secret=s.registry_secret, cache_pvc=s.repo_cache_pvc, expect=tuple(expect))
 
 
+def _eagle_head(r) -> Optional[Path]:
+    """A local EAGLE3 head (``engine.speculative.draft_model`` naming a folder) to link into the repository, so the
+    server in the container finds it; a hub head (``hf:org/name``) is named by its Hub id instead and downloaded by
+    TensorRT-LLM when the LLM loads."""
+    sp = r.engine.speculative
+    if sp.mode != "eagle" or not sp.draft_model or sp.draft_model.startswith(HF_PREFIX):
+        return None
+    from kiln.models.loading import resolve_model_dir
+
+    return resolve_model_dir(sp.draft_model, key="engine.speculative.draft_model", progress=False)
+
+
 def _package_llmapi(ctx: StepContext, quantize_dir: Path, max_seq_len: int) -> PackageResult:
     """Target pytorch: the llmapi repository, linted, and (for the GPU runtime) deploy and trtllm-serve files."""
     from kiln.recipe.schema import llmapi_runtime
@@ -227,12 +239,13 @@ def _package_llmapi(ctx: StepContext, quantize_dir: Path, max_seq_len: int) -> P
             raise InputError(f"engine.speculative.draft_recipe: the draft model {d.name} needs its unified checkpoint: "
                              f"build it with target: pytorch first (`kiln build {draft_loaded.path} --set "
                              "target=pytorch --to quantize`)")
+    eagle_head = _eagle_head(r)
     produced = ctx.result(QuantizeResult).produced_by
     with ctx.status("writing the Triton llmapi repository"):
         quality = ctx.result(EvaluateResult).figures() or None
         info = write_llmapi_repository(r, quantize_dir / UNIFIED_DIR, ctx.out_dir, max_seq_len, final=ctx.final_dir,
                                        fingerprint=ctx.fingerprint, quality=quality,
-                                       draft_checkpoint=draft, image=r.engine_runtime.image,
+                                       draft_checkpoint=draft, eagle_head=eagle_head, image=r.engine_runtime.image,
                                        image_digest=produced.get("image_digest"))
     template = builtin_chat_template(r.model.source)
     if template is not None:  # the built-in model's chat template (Dynamo's frontend and kiln's worker use it)
@@ -284,6 +297,14 @@ def _sources_hash(loaded: LoadedRecipe) -> dict[str, str]:
         from kiln.recipe.schema import llmapi_runtime
 
         hashes["llmapi_runtime"] = llmapi_runtime(loaded.recipe)  # `auto` depends on this machine
+    sp = loaded.recipe.engine.speculative if loaded is not None else None
+    if sp is not None and sp.mode == "eagle" and sp.draft_model and loaded.recipe.target == "pytorch":
+        from kiln.models.loading import model_source_hash
+
+        try:  # a local head is linked into the repository: its content is an input; a hub head is its id
+            hashes["eagle_head"] = model_source_hash(sp.draft_model, key="engine.speculative.draft_model")
+        except KilnError:
+            hashes["eagle_head"] = "unreadable"
     ref = loaded.recipe.engine.speculative.draft_recipe if loaded is not None else None
     if ref and loaded.recipe.engine.speculative.mode == "draft_tokens_external":
         base = loaded.path.parent if loaded.path else Path(".")

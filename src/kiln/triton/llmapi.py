@@ -30,7 +30,7 @@ from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, NonNegativeFlo
 from tritonclient.grpc import model_config_pb2 as mc
 
 from kiln.recipe.formats import kv_cache_format, registry
-from kiln.recipe.schema import Recipe, llmapi_runtime
+from kiln.recipe.schema import HF_PREFIX, Recipe, llmapi_runtime
 from kiln.triton.repository import add_prompt_scoring, cpu_instances, render, set_parameters
 
 MODEL_NAME = "tensorrt_llm"
@@ -41,6 +41,8 @@ DEQUANTIZE_FILE = "kiln_dequantize.json"
 #: relative to it (kiln's model.py resolves them there).
 CHECKPOINT_DIR = "checkpoint"
 DRAFT_DIR = "draft_checkpoint"
+#: The EAGLE3 head of a local ``engine.speculative.draft_model`` folder, linked into the version directory.
+EAGLE_DIR = "eagle_head"
 #: CudaGraphConfig's own default for max_batch_size (0 becomes 128): kiln captures up to the smaller of this and
 #: engine.max_batch_size.
 CUDA_GRAPH_DEFAULT_MAX_BATCH = 128
@@ -236,8 +238,18 @@ def _speculative(recipe: Recipe, draft_path: Optional[str], strict: bool) -> Opt
     elif kind == "DraftTarget":
         out["speculative_model_dir"] = draft_path
     elif kind == "Eagle":
-        out["speculative_model_dir"] = draft_path or sp.draft_model
+        out["speculative_model_dir"] = draft_path or eagle_head_reference(sp.draft_model)
     return out
+
+
+def eagle_head_reference(draft_model: Optional[str]) -> Optional[str]:
+    """What ``speculative_model`` takes for an EAGLE3 head kiln does not package: upstream accepts a Hugging Face Hub
+    id (``org/name``, downloaded when the LLM loads; no revision field) or a local directory, so ``hf:org/name`` is
+    written as ``org/name`` (a pinned ``@revision`` is refused by the recipe rules). A local folder is linked into
+    the repository instead (:data:`EAGLE_DIR`)."""
+    if draft_model and draft_model.startswith(HF_PREFIX):
+        return draft_model[len(HF_PREFIX):].partition("@")[0]
+    return draft_model
 
 
 def llm_args_for(recipe: Recipe, model_path: str, max_seq_len: Optional[int],
@@ -312,10 +324,12 @@ def check_triton_config(triton_config: Any) -> list[str]:
     return problems
 
 
-def model_yaml(recipe: Recipe, max_seq_len: Optional[int], draft: bool = False) -> dict[str, Any]:
-    """The whole model.yaml: the LLM arguments (the checkpoint named relative to the version directory) and
-    ``triton_config``."""
-    args = llm_args_for(recipe, CHECKPOINT_DIR, max_seq_len, DRAFT_DIR if draft else None)
+def model_yaml(recipe: Recipe, max_seq_len: Optional[int], draft: bool = False,
+               eagle_head: bool = False) -> dict[str, Any]:
+    """The whole model.yaml: the LLM arguments (the checkpoint, and a packaged draft checkpoint or EAGLE3 head, named
+    relative to the version directory) and ``triton_config``."""
+    args = llm_args_for(recipe, CHECKPOINT_DIR, max_seq_len,
+                        DRAFT_DIR if draft else EAGLE_DIR if eagle_head else None)
     return {**args, "triton_config": triton_config_for(recipe)}
 
 
@@ -394,9 +408,9 @@ def container_llm_args(args: dict[str, Any], repo_root: str) -> dict[str, Any]:
     upstream's DecodingBaseConfig.speculative_model (a Hub id or a local directory) would resolve it against the
     worker's working directory, or try it as a Hugging Face Hub id."""
     spec = args.get("speculative_config")
-    if isinstance(spec, dict) and spec.get("speculative_model_dir") == DRAFT_DIR:
+    if isinstance(spec, dict) and spec.get("speculative_model_dir") in (DRAFT_DIR, EAGLE_DIR):
         args = {**args, "speculative_config": {**spec, "speculative_model_dir":
-                                               f"{repo_root}/{MODEL_NAME}/1/{DRAFT_DIR}"}}
+                                               f"{repo_root}/{MODEL_NAME}/1/{spec['speculative_model_dir']}"}}
     return args
 
 

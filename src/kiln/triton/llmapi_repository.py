@@ -9,6 +9,7 @@ Layout (``triton_repo/<recipe>/``)::
     tensorrt_llm/1/kiln_dequantize.json  the reference runtime's dequantization layouts (from the format registry)
     tensorrt_llm/1/checkpoint/       ModelOpt's unified Hugging Face checkpoint (hard links)
     tensorrt_llm/1/draft_checkpoint/ the draft model's, for draft-target speculative decoding
+    tensorrt_llm/1/eagle_head/       a local EAGLE3 head (engine.speculative.draft_model), for mode eagle
     kiln.json                        recipe, fingerprint, runtime, serving container, server and trtllm-serve commands
 
 ``deploy/<recipe>/trtllm-serve/``: ``llm_options.yaml`` (the same LLM arguments, for ``--extra_llm_api_options``)
@@ -30,6 +31,7 @@ from kiln.triton.llmapi import (
     CHECKPOINT_DIR,
     DEQUANTIZE_FILE,
     DRAFT_DIR,
+    EAGLE_DIR,
     MODEL_NAME,
     MODEL_YAML,
     DEFAULT_LLM_ARGS_VERSION,
@@ -80,12 +82,12 @@ def serving_container(recipe: Recipe, image: Optional[str] = None, digest: Optio
 
 def write_llmapi_repository(recipe: Recipe, checkpoint: Path, out: Path, max_seq_len: Optional[int], *,
                             final: Optional[Path] = None, fingerprint: str = "", quality: Optional[dict] = None,
-                            draft_checkpoint: Optional[Path] = None, image: Optional[str] = None,
-                            image_digest: Optional[str] = None) -> dict[str, Any]:
+                            draft_checkpoint: Optional[Path] = None, eagle_head: Optional[Path] = None,
+                            image: Optional[str] = None, image_digest: Optional[str] = None) -> dict[str, Any]:
     """Write the llmapi repository into ``out`` (renamed to ``final`` when complete); returns kiln.json's content.
     The model.yaml it writes is checked against the pinned LLM arguments before anything else is written."""
     runtime = llmapi_runtime(recipe)
-    data = model_yaml(recipe, max_seq_len, draft=draft_checkpoint is not None)
+    data = model_yaml(recipe, max_seq_len, draft=draft_checkpoint is not None, eagle_head=eagle_head is not None)
     args_version = llm_args_version(recipe)
     problems = check_model_yaml(data, args_version)
     if problems:
@@ -101,6 +103,8 @@ def write_llmapi_repository(recipe: Recipe, checkpoint: Path, out: Path, max_seq
     link_tree(checkpoint, version / CHECKPOINT_DIR)
     if draft_checkpoint is not None:
         link_tree(draft_checkpoint, version / DRAFT_DIR)
+    if eagle_head is not None:
+        link_tree(eagle_head, version / EAGLE_DIR)
 
     from kiln.triton.deploy import DeployInfo, server_command
 

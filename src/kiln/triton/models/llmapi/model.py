@@ -99,7 +99,10 @@ def read_model_yaml(version_dir):
         for key in keys[:-1]:
             node = node.get(key) if isinstance(node, dict) else None
         value = node.get(keys[-1]) if isinstance(node, dict) else None
-        if isinstance(value, str) and value and not os.path.isabs(value):
+        # a path relative to this version directory (the checkpoint, a packaged draft or EAGLE3 head); anything
+        # else (a Hugging Face Hub id such as org/name) is left for TensorRT-LLM to resolve
+        if isinstance(value, str) and value and not os.path.isabs(value) \
+                and os.path.exists(os.path.join(version_dir, value)):
             node[keys[-1]] = os.path.join(version_dir, value)
     return data, triton_config
 
