@@ -125,3 +125,17 @@ def test_a_release_without_a_triton_image_records_no_tritonserver_and_serve_dock
     triton = llmapi_repository(tmp_path / "triton", "FP8", ["target=pytorch", "serving.llmapi_runtime=tensorrt_llm"])
     info = json.loads((triton / "kiln.json").read_text())
     assert "triton-llmapi" in info["stacks"] and info["server_command"][0] == "tritonserver"
+
+
+def test_kilns_openai_front_refuses_a_pytorch_target_repository_naming_its_openai_endpoints(tmp_path: Path,
+                                                                                            kiln) -> None:
+    """kiln's OpenAI front speaks the ensemble's contract; a target-pytorch repository (Triton's llmapi model) has
+    none, and every request would answer 503 'model ensemble not found'. `kiln serve --openai` and `kiln openai
+    --repo` refuse it before starting anything, naming trtllm-serve and Dynamo."""
+    repo = llmapi_repository(tmp_path, "FP8", ["target=pytorch"])
+    for args in (("serve", str(repo), "--openai", "--background"), ("openai", "--repo", str(repo))):
+        result = kiln(*args)
+        out = " ".join(result.output.split())
+        assert result.exit_code == 2, result.output
+        assert "target-pytorch repository (Triton's llmapi model)" in out and "--stack dynamo" in out
+        assert "trtllm-serve/serve.sh" in out

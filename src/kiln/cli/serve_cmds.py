@@ -90,6 +90,11 @@ def serve(target, overrides, host, http_port, grpc_port, metrics_port, docker, b
     info = json.loads((repo / "kiln.json").read_text()) if (repo / "kiln.json").is_file() else {}
     front = None
     if openai:
+        from kiln.serve.openai.app import front_refusal
+
+        refused = front_refusal(repo, info)
+        if refused:
+            raise InputError(refused)
         front = OpenAIConfig(triton_url="", triton_model=serving.openai_model, repo=repo, host=cfg.host,
                              port=openai_port or serving.openai_port)
     if docker:

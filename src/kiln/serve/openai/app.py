@@ -42,6 +42,19 @@ from kiln.serve.openai.chat import ChatTemplate, ChatTemplateError, load_chat_te
 from kiln.serve.openai.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, APIError, GenerationRequest, bad, parse_request
 
 
+def front_refusal(repo: Path, info: dict[str, Any]) -> str | None:
+    """Why kiln's OpenAI front cannot serve ``repo`` (None when it can): it speaks the Triton ensemble's contract,
+    which a target-pytorch repository (Triton's llmapi model) does not have; every request would answer 503."""
+    if info.get("layout") != "llmapi":
+        return None
+    name = info.get("recipe") or repo.name
+    return (f"{repo} is a target-pytorch repository (Triton's llmapi model), and kiln's OpenAI front speaks the "
+            "ensemble's contract, which it does not have. Its OpenAI endpoints are trtllm-serve "
+            f"(deploy/{name}/trtllm-serve/serve.sh on a GPU host) and Dynamo's frontend (deploy/{name}/dynamo/, or "
+            f"here `kiln serve {repo} --stack dynamo`, in front of kiln's CPU reference worker); serve it without "
+            "--openai for Triton's own HTTP/gRPC endpoints")
+
+
 @dataclass
 class ModelInfo:
     """What the server knows about the model behind Triton (from the packaged repository, when there is one)."""
@@ -60,6 +73,11 @@ class ModelInfo:
             return cls(name=name or triton_model)
         repo = Path(repo)
         info = json.loads((repo / "kiln.json").read_text()) if (repo / "kiln.json").is_file() else {}
+        refused = front_refusal(repo, info)
+        if refused:
+            from kiln.util.errors import InputError
+
+            raise InputError(refused)
         tok_dir = repo / "preprocessing" / "1" / "tokenizer"
         tokenizer = None
         if (tok_dir / "tokenizer.json").is_file():
