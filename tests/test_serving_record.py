@@ -52,20 +52,29 @@ def captured(monkeypatch):
     return seen
 
 
-def test_kiln_serve_repo_serves_on_the_recorded_host_and_ports(kiln, tmp_path, captured):
-    repo = llmapi_reference_repo(tmp_path)
+def test_kiln_serve_repo_serves_on_the_recorded_host_and_ports(kiln, tmp_path, captured,
+                                                               tokenizer_dir):  # noqa: F811
+    repo = llmapi_reference_repo(tmp_path / "llmapi")
     assert json.loads((repo / "kiln.json").read_text())["serving"] == {
         "host": "127.0.0.2", "http_port": 18100, "grpc_port": 18101, "metrics_port": 18102, "openai_port": 18103,
         "openai_model": "tensorrt_llm_bls"}
-    result = kiln("serve", repo, "--openai")
+    result = kiln("serve", repo)
     assert result.exit_code == 0, result.output
-    cfg, front = captured["cfg"], captured["openai"]
+    cfg = captured["cfg"]
     assert (cfg.host, cfg.http_port, cfg.grpc_port, cfg.metrics_port) == ("127.0.0.2", 18100, 18101, 18102)
-    assert (front.host, front.port, front.triton_model) == ("127.0.0.2", 18103, "tensorrt_llm_bls")
     # the command line still wins over the record
     result = kiln("serve", repo, "--http-port", "19000")
     assert result.exit_code == 0, result.output
     assert (captured["cfg"].http_port, captured["cfg"].grpc_port) == (19000, 18101)
+    # the OpenAI front's port and model come from the record too (an ensemble repository: kiln's front refuses a
+    # target-pytorch one, whose OpenAI endpoints are trtllm-serve and Dynamo's)
+    ensemble = make_repo(load_recipe(configs_dir() / "tiny-llama.yaml", RECORD).recipe, tmp_path / "ens",
+                         tokenizer_dir)
+    result = kiln("serve", ensemble, "--openai")
+    assert result.exit_code == 0, result.output
+    cfg, front = captured["cfg"], captured["openai"]
+    assert (cfg.host, cfg.http_port, cfg.grpc_port, cfg.metrics_port) == ("127.0.0.2", 18100, 18101, 18102)
+    assert (front.host, front.port, front.triton_model) == ("127.0.0.2", 18103, "tensorrt_llm_bls")
 
 
 def test_kiln_serve_docker_publishes_the_recorded_ports(kiln, tmp_path, standin_docker, tokenizer_dir):  # noqa: F811
