@@ -294,6 +294,29 @@ def test_serve_docker_on_a_podman_only_host_runs_podman_with_cdi(kiln, tmp_path,
     assert "$ podman run --rm --device nvidia.com/gpu=all" in result.output
 
 
+def test_the_task_gate_serves_a_gpu_repository_with_the_engine_its_jobs_ran_in(tmp_path, monkeypatch):
+    """With docker and podman both here, the gate's container runs under the engine the build's jobs used (podman
+    here), not whichever comes first on PATH. Both engines are stand-ins that record their argv and exit."""
+    from kiln.serve.endpoint import openai_endpoint
+    from kiln.serve.server import ServerError
+
+    repo, image = tensorrt_repository(CONFIGS / "llama-3.1-8b" / "fp8.yaml", tiny_tokenizer(), tmp_path)
+    bin_dir = tmp_path / "engines"
+    bin_dir.mkdir()
+    for name in ("docker", "podman"):
+        (bin_dir / name).write_text(STANDIN_DOCKER.format(python=sys.executable)
+                                    .replace('os.environ["DOCKER_ARGV_FILE"]', f'"{tmp_path / name}.json"'))
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(ServerError, match="exited"):
+        with openai_endpoint(repo, tmp_path / "state", tmp_path / "logs", gpu_here=True,
+                             engine="podman", exe=str(bin_dir / "podman")):
+            pass
+    argv = json.loads((tmp_path / "podman.json").read_text())
+    assert argv[:4] == ["run", "--rm", "--device", "nvidia.com/gpu=all"] and image in argv
+    assert not (tmp_path / "docker.json").exists()
+
+
 def test_serve_docker_tp4_runs_one_tritonserver_per_rank_under_mpirun(kiln, standin_docker, tmp_path):
     repo, image = tensorrt_repository(CONFIGS / "llama-3.1-70b" / "fp8-tp4.yaml",
                                       tiny_tokenizer(), tmp_path)

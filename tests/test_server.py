@@ -291,9 +291,27 @@ def test_without_setpriv_a_starter_that_died_before_the_flag_was_set_is_not_outl
 
     from kiln.serve import server
 
-    started = time.monotonic()
-    run = subprocess.run([sys.executable, "-c", server._PDEATHSIG_EXEC, "1", "sleep", "60"], timeout=30)
-    assert run.returncode == 1 and time.monotonic() - started < 20  # pid 1 is not its parent: it never execs
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    started = time.monotonic()  # a starter pid that is not the shim's parent (a process that already exited)
+    run = subprocess.run([sys.executable, "-c", server._PDEATHSIG_EXEC, gone.stdout.strip(), "sleep", "60"],
+                         timeout=30)
+    assert run.returncode == 1 and time.monotonic() - started < 20  # not its parent: it never execs
+
+
+def test_a_setpriv_without_pdeathsig_is_not_used(tmp_path: Path) -> None:
+    """util-linux before 2.33 (RHEL 8) has a setpriv that refuses --pdeathsig: the interpreter shim is used instead,
+    never a wrapper that would stop every server from starting."""
+    import sys
+
+    from kiln.serve import server
+
+    old = tmp_path / "setpriv"
+    old.write_text("#!/bin/sh\necho 'setpriv: unrecognized option --pdeathsig' >&2\nexit 1\n")
+    old.chmod(0o755)
+    assert server._setpriv_with_pdeathsig(str(old)) is None
+    real = server.shutil.which("setpriv")
+    if real is not None:
+        assert server._setpriv_with_pdeathsig(real) == real
 
 
 @pytest.mark.parametrize("way", ["setpriv", "no-setpriv"])

@@ -122,6 +122,10 @@ class Entry:
         return sum(p.size for p in self.parts)
 
 
+RACY_S = 2
+"""A file modified this recently (seconds) is hashed every time, never taken from the memo."""
+
+
 class PartMemo:
     """The parts :func:`plan_parts` hashed before in one output folder, kept in kiln's cache folder
     (``part-hashes/``): a file's parts are reused while its size, modification time (ns), inode, device and mode
@@ -208,7 +212,10 @@ def plan_parts(root: Path, files: dict[str, int], layer_bytes: int, meter: Meter
                 offset += n
                 if size == 0:
                     break
-        if memo is not None and PartMemo.stamp(path, layer_bytes) == stamp:  # unchanged while it was read
+        # remembered only when unchanged while it was read and not modified in the last RACY_S seconds: a same-size
+        # rewrite within one timestamp tick would keep the stamp (git's "racily clean" rule)
+        if memo is not None and PartMemo.stamp(path, layer_bytes) == stamp \
+                and time.time_ns() - stamp[1] > RACY_S * 1_000_000_000:
             memo.put(rel, stamp, mine)
         parts += mine
     if memo is not None:

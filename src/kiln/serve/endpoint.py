@@ -91,8 +91,10 @@ def _wait_http_ready(http: str, proc: subprocess.Popen, log: Path, timeout_s: fl
 
 @contextlib.contextmanager
 def openai_endpoint(repo: Path, state_dir: Path, log_dir: Path, gpu_here: bool, triton_model: str = "ensemble",
-                    timeout_s: float = 600, note: Callable[[str], None] = lambda _: None) -> Iterator[Endpoint]:
-    """An OpenAI endpoint serving ``repo`` for the duration of the block (see the module docstring)."""
+                    timeout_s: float = 600, note: Callable[[str], None] = lambda _: None,
+                    engine: Optional[str] = None, exe: Optional[str] = None) -> Iterator[Endpoint]:
+    """An OpenAI endpoint serving ``repo`` for the duration of the block (see the module docstring). ``engine`` /
+    ``exe``: the container engine the build's jobs ran in, which serves a repository that needs its container."""
     repo = Path(repo)
     info = repository_info(repo)
     name = info.get("recipe") or repo.name
@@ -120,7 +122,7 @@ def openai_endpoint(repo: Path, state_dir: Path, log_dir: Path, gpu_here: bool, 
                          "none: run the task gate on a GPU host (kiln build RECIPE there), or build here with "
                          "--to package and leave the gate to the GPU host")
     cfg = ServerConfig(repo=repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-    engine, exe = serving_engine()
+    engine, exe = serving_engine(engine, exe)
     cmd = docker_command(repo, info, cfg, engine=engine, exe=exe)
     log = log_dir / f"{name}-container.log"
     with log.open("wb") as sink:

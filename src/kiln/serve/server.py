@@ -20,10 +20,12 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.metadata
 import importlib.util
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -209,10 +211,23 @@ def die_with_parent(cmd: list[str]) -> list[str]:
     """
     if not sys.platform.startswith("linux"):
         return cmd
-    setpriv = shutil.which("setpriv")
+    setpriv = _setpriv_with_pdeathsig(shutil.which("setpriv"))
     if setpriv is not None:
         return [setpriv, "--pdeathsig", "TERM", "--", *cmd]
     return [sys.executable, "-c", _PDEATHSIG_EXEC, str(os.getpid()), *cmd]
+
+
+@functools.lru_cache(maxsize=None)
+def _setpriv_with_pdeathsig(setpriv: str | None) -> str | None:
+    """``setpriv`` when it takes ``--pdeathsig`` (util-linux 2.33 and later; RHEL 8's 2.32 does not), tried once."""
+    if setpriv is None:
+        return None
+    try:
+        ok = subprocess.run([setpriv, "--pdeathsig", "TERM", "--", "true"], capture_output=True, timeout=10,
+                            check=False).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    return setpriv if ok else None
 
 
 def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -238,6 +253,7 @@ class TritonServer:
         self._own_log: Path | None = None
         self.log_file: Path | None = cfg.log_file
         self.startup_s: float | None = None
+        self._cmd: list[str] = []
 
     # ------------------------------------------------------------------ command line
     def command(self) -> list[str]:
@@ -300,6 +316,7 @@ class TritonServer:
             raise InputError(f"Triton model repository {repo} does not exist (build the package step first)")
         _check_numpy()
         cmd = self.command()
+        self._cmd = list(cmd)  # as the user would run it (the starter's die-with-parent wrapper is not theirs)
         if self.log_file is None:
             fd, name = tempfile.mkstemp(prefix="kiln-tritonserver-", suffix=".log")
             os.close(fd)
@@ -333,7 +350,7 @@ class TritonServer:
             if code is not None:
                 raise ServerError(
                     f"tritonserver exited with code {code} before it was ready (a model failed to load?).\n"
-                    f"command: {' '.join(self.proc.args)}\n--- last lines of {self.log_file} ---\n"
+                    f"command: {shlex.join(self._cmd)}\n--- last lines of {self.log_file} ---\n"
                     f"{tail(self.log_file)}"  # type: ignore[arg-type]
                 )
             log_tail = tail(self.log_file)  # type: ignore[arg-type]

@@ -253,7 +253,11 @@ def docker_command(repo: Path, info: dict, cfg: ServerConfig, engine: str = "doc
         raise InputError(f"{repo}/kiln.json names no serving container: `--docker` serves tensorrt-target "
                          "repositories; serve the reference target without --docker")
     stacks = info.get("stacks")
-    if stacks is not None and not any(s.startswith("triton-") for s in stacks):
+    needed = "triton-llmapi" if info.get("layout") == "llmapi" else "triton-tensorrtllm"
+    if stacks is not None and needed not in stacks and any(s.startswith("triton-") for s in stacks):
+        raise InputError(f"{image} carries no {needed} stack ({', '.join(stacks)}): package the recipe for a serving "
+                         "image that has it (kiln's container table, src/kiln/recipe/data/trtllm_containers.json)")
+    if stacks is not None and needed not in stacks:
         name = info.get("recipe") or "<recipe>"
         raise InputError(f"{image} carries no Triton server (TensorRT-LLM {info.get('serving_tensorrt_llm')}: "
                          f"{', '.join(stacks)} only; no Triton image ships TensorRT-LLM after 1.2.1). Serve "

@@ -389,11 +389,16 @@ def run_tasks(ctx: StepContext) -> TasksResult:
     model = r.serving.openai_model
     figures: list[TaskFigures] = []
     served: list[str] = []
+    from kiln.runtime.engine_runtime import engine_runtime_for
+
+    rt = engine_runtime_for(r, ctx.build_root)  # a GPU repository is served by the engine its jobs ran in
+    engine = {"engine": getattr(rt, "engine", None), "exe": getattr(rt, "exe", None)}
     with contextlib.ExitStack() as stack:
         with ctx.status("serving the quantized model and the unquantized baseline"):
             quant_ep, base_ep = _enter_together(
-                [openai_endpoint(repo, ctx.build_root / ".serve", logs, gpu_here(), model, note=ctx.log),
-                 openai_endpoint(base_repo, ctx.build_root / ".serve", logs, gpu_here(), model, note=ctx.log)], stack)
+                [openai_endpoint(repo, ctx.build_root / ".serve", logs, gpu_here(), model, note=ctx.log, **engine),
+                 openai_endpoint(base_repo, ctx.build_root / ".serve", logs, gpu_here(), model, note=ctx.log,
+                                 **engine)], stack)
         served = [f"quantized: {quant_ep.how}", f"baseline: {base_ep.how}"]
         runs = [(t, which, ep) for t in prepared for which, ep in (("baseline", base_ep), ("quantized", quant_ep))]
         scores: dict[tuple[str, str], tuple[float, int]] = {}
