@@ -10,6 +10,7 @@ import pytest
 
 from kiln.recipe.loader import load_recipe
 from kiln.triton.lint import lint_repository
+from kiln.util.errors import InputError
 from kiln.triton.llmapi_repository import write_llmapi_repository
 from tests.standins import llmapi_repository
 from triton_harness import load_model_module, pb_utils  # noqa: F401 - pb_utils is a fixture
@@ -108,12 +109,12 @@ def test_draft_target_decoding_ships_the_draft_checkpoint_and_names_it_in_both_c
     assert info["container"] and info["server_command"][0] == "tritonserver"
 
 
-def test_an_eagle3_head_reaches_the_server_as_a_packaged_folder_or_a_hub_id(tmp_path: Path, kiln,
-                                                                            pb_utils) -> None:
-    """mode eagle on target pytorch: a local head folder is linked into the repository (`eagle_head`, named relative
-    in model.yaml, by its container path for trtllm-serve/Dynamo); a hub head is written as TensorRT-LLM's Hub id
-    (`org/name`, never kiln's `hf:` form), and the shipped model.py resolves only paths that exist in its version
-    directory; a pinned @revision, which speculative_model cannot carry, is refused before any work."""
+def test_an_eagle3_head_reaches_the_server_as_a_packaged_folder(tmp_path: Path, pb_utils, monkeypatch) -> None:
+    """mode eagle on target pytorch: the head is linked into the repository (`eagle_head`, named relative in
+    model.yaml, by its container path for trtllm-serve/Dynamo, which run with the hub offline): a local folder as it
+    is, a hub head downloaded at its revision by the package step. Unpackaged (the CPU reference runtime) a hub head
+    is written as TensorRT-LLM's Hub id (`org/name`, never kiln's `hf:` form), and the shipped model.py resolves
+    only paths that exist in its version directory."""
     import yaml
 
     from kiln.triton.llmapi import container_llm_args, model_yaml
@@ -137,9 +138,13 @@ def test_an_eagle3_head_reaches_the_server_as_a_packaged_folder_or_a_hub_id(tmp_
     assert container_llm_args(info["llm_args"], "/models")["speculative_config"]["speculative_model_dir"] == \
         "/models/tensorrt_llm/1/eagle_head"
 
-    hub = load_recipe(REPO_ROOT / "configs" / "tiny-llama.yaml",
-                      [*sets, "engine.speculative.draft_model=hf:yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"]).recipe
-    assert model_yaml(hub, 512)["speculative_config"]["speculative_model_dir"] == "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+    hub_id = "hf:yuhuili/EAGLE3-LLaMA3.1-Instruct-8B@abc123"
+    hub = load_recipe(REPO_ROOT / "configs" / "tiny-llama.yaml", [*sets, f"engine.speculative.draft_model={hub_id}"])
+    reference = load_recipe(REPO_ROOT / "configs" / "tiny-llama.yaml",
+                            [*sets[:1], "serving.llmapi_runtime=reference", *sets[2:],
+                             f"engine.speculative.draft_model={hub_id}"]).recipe
+    assert model_yaml(reference, 512)["speculative_config"]["speculative_model_dir"] == \
+        "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
 
     # the shipped model.py: a relative path that exists is joined onto the version directory, a Hub id is left alone
     model = load_model_module("llmapi")
@@ -150,15 +155,29 @@ def test_an_eagle3_head_reaches_the_server_as_a_packaged_folder_or_a_hub_id(tmp_
     data, _ = model.read_model_yaml(str(version))
     assert data["speculative_config"]["speculative_model_dir"] == "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
 
-    # the package step links the local head (its content is a package input) and leaves a hub head to TensorRT-LLM
+    # the package step links the local head (its content is a package input) and downloads a hub head at its
+    # revision (STAND-IN for the download: resolve_model_dir answers with the local folder and records the ask)
+    from kiln.models import loading
     from kiln.steps import package
 
-    assert package._eagle_head(recipe.recipe) == head and package._eagle_head(hub) is None
+    assert package._eagle_head(recipe.recipe) == head and package._eagle_head(reference) is None
+    asked = []
+    real = loading.resolve_model_dir
+    monkeypatch.setattr(loading, "resolve_model_dir",
+                        lambda source, **kw: asked.append((source, kw["key"])) or head if source == hub_id
+                        else real(source, **kw))
+    (head / "pytorch_model.bin").write_bytes(b"\x80")  # a hub head with pickled weights only is refused
+    with pytest.raises(InputError, match="engine.speculative.draft_model: .* no safetensors weights"):
+        package._eagle_head(hub.recipe)
+    (head / "model.safetensors").write_bytes(b"")
+    asked.clear()
+    assert package._eagle_head(hub.recipe) == head and asked == [(hub_id, "engine.speculative.draft_model")]
     hashes = package._sources_hash(recipe)
     (head / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
     assert package._sources_hash(recipe)["eagle_head"] != hashes["eagle_head"]
-
-    result = kiln("validate", REPO_ROOT / "configs" / "tiny-llama.yaml", *[a for s in sets for a in ("--set", s)],
-                  "--set", "engine.speculative.draft_model=hf:yuhuili/EAGLE3-LLaMA3.1-Instruct-8B@abc123")
-    assert result.exit_code != 0 and "engine.speculative.draft_model" in result.output
-    assert "without a revision" in " ".join(result.output.split())
+    hashes = package._sources_hash(recipe)
+    (head / "pytorch_model.bin").write_bytes(b"\x80\x81")  # a local head's pickled weights rewritten
+    assert package._sources_hash(recipe)["eagle_head"] != hashes["eagle_head"]
+    assert package._sources_hash(hub)["eagle_head"] != package._sources_hash(
+        load_recipe(REPO_ROOT / "configs" / "tiny-llama.yaml",
+                    [*sets, "engine.speculative.draft_model=hf:yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"]))["eagle_head"]

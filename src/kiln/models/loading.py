@@ -345,8 +345,9 @@ def model_source_hash(source: str, key: str = "model.source") -> str:
     - built-in: the tiny model's cache key (builder version, recipe, corpus, library versions);
     - hub: the id and revision (a branch name is as stable as the branch; pin a commit to be exact);
     - local directory: config.json, generation_config.json and tokenizer files in full, plus each
-      safetensors file's header (tensor names, dtypes, shapes, offsets), size and modification time —
-      rewriting weights changes at least the latter without reading gigabytes on every run.
+      safetensors file's header (tensor names, dtypes, shapes, offsets), size and modification time, and each
+      pickled weights file's (``.bin``, ``.pt``, ``.pth``) size and modification time — rewriting weights changes
+      at least the latter without reading gigabytes on every run.
     """
     if source.startswith(BUILTIN_PREFIX):
         from kiln.models.tiny import tiny_llama_key
@@ -368,6 +369,9 @@ def model_source_hash(source: str, key: str = "model.source") -> str:
         stat = file.stat()
         digest.update(f"{file.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
         digest.update(_safetensors_header(file))
+    for file in sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".bin", ".pt", ".pth")):
+        stat = file.stat()  # pickled weights (pytorch_model.bin, as many EAGLE3 heads ship): name, size and time
+        digest.update(f"{file.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
     return "sha256:" + digest.hexdigest()
 
 

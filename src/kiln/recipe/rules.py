@@ -12,7 +12,7 @@ from kiln.recipe.errors import Problem
 from kiln.recipe.formats import format_refusal, kv_cache_format, kv_cache_format_names, kv_refusal, weight_format
 from kiln.recipe.gpus import GPUSpec, known_gpu_names, lookup_gpu
 from kiln.recipe.containers import JOB_CONTAINERS, LAST_ENGINE_VERSION, has_engine_path
-from kiln.recipe.schema import HF_PREFIX, Recipe, quantization_runtime
+from kiln.recipe.schema import Recipe, quantization_runtime
 
 Rule = Callable[[Recipe], Iterator[Problem]]
 RULES: list[Rule] = []
@@ -219,12 +219,6 @@ def speculative(r: Recipe) -> Iterator[Problem]:
     if sp.mode == "eagle" and r.target == "pytorch" and not sp.draft_model:
         yield err("engine.speculative.draft_model", "eagle on the pytorch target needs the EAGLE3 draft head",
                   "set engine.speculative.draft_model: <directory or hf:org/name of the EAGLE3 head>")
-    if sp.mode == "eagle" and r.target == "pytorch" and sp.draft_model and sp.draft_model.startswith(HF_PREFIX) \
-            and "@" in sp.draft_model:
-        yield err("engine.speculative.draft_model", "TensorRT-LLM takes the EAGLE3 head as a Hub id without a "
-                  "revision (speculative_model has no revision field), so a pinned @revision cannot reach it",
-                  "download that revision (`hf download org/name --revision REV --local-dir DIR`) and set "
-                  "engine.speculative.draft_model: DIR (kiln links the folder into the repository)")
     if sp.draft_model and not (sp.mode == "eagle" and r.target == "pytorch"):
         yield err("engine.speculative.draft_model", "draft_model is the EAGLE3 head of mode eagle on target pytorch",
                   "remove it, or set engine.speculative.mode: eagle and target: pytorch")

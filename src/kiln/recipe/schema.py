@@ -270,9 +270,8 @@ class SpeculativeSection(Section):
 
     draft_model: Optional[str] = None
     """Target pytorch, mode `eagle`: the EAGLE3 draft head, the LLM argument speculative_config.speculative_model_dir.
-    A local Hugging Face directory is linked into the repository (`tensorrt_llm/1/eagle_head`); `hf:org/name` is
-    passed as the Hub id TensorRT-LLM downloads when the model loads (no `@revision`: download a pinned revision and
-    name its folder)."""
+    A local Hugging Face directory, or `hf:org/name[@rev]` downloaded at package time, is linked into the repository
+    (`tensorrt_llm/1/eagle_head`), so the servers find it with the hub offline."""
 
     max_matching_ngram_size: Annotated[int, Field(ge=1, le=64)] = 2
     """Mode `ngram` (target pytorch): the longest suffix of the sequence matched against earlier text to propose

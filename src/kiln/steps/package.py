@@ -211,15 +211,25 @@ def _repo_pull(loaded: LoadedRecipe, info: dict, source: Optional[EntrySourceLik
 
 
 def _eagle_head(r) -> Optional[Path]:
-    """A local EAGLE3 head (``engine.speculative.draft_model`` naming a folder) to link into the repository, so the
-    server in the container finds it; a hub head (``hf:org/name``) is named by its Hub id instead and downloaded by
-    TensorRT-LLM when the LLM loads."""
-    sp = r.engine.speculative
-    if sp.mode != "eagle" or not sp.draft_model or sp.draft_model.startswith(HF_PREFIX):
-        return None
-    from kiln.models.loading import resolve_model_dir
+    """The EAGLE3 head (``engine.speculative.draft_model``) to link into the repository, so the server finds it in
+    the container with the hub offline (Dynamo's files and the job containers set HF_HUB_OFFLINE=1): a local folder
+    as it is, a hub head (``hf:org/name[@rev]``) downloaded here at its revision. The CPU reference runtime does not
+    speculate, so a hub head is not downloaded for it (model.yaml names it by Hub id)."""
+    from kiln.recipe.schema import llmapi_runtime
 
-    return resolve_model_dir(sp.draft_model, key="engine.speculative.draft_model", progress=False)
+    sp = r.engine.speculative
+    if sp.mode != "eagle" or not sp.draft_model:
+        return None
+    if sp.draft_model.startswith(HF_PREFIX) and llmapi_runtime(r) != "tensorrt_llm":
+        return None
+    from kiln.models import loading
+
+    head = loading.resolve_model_dir(sp.draft_model, key="engine.speculative.draft_model", progress=False)
+    if sp.draft_model.startswith(HF_PREFIX) and not any(head.glob("*.safetensors")):
+        raise InputError(f"engine.speculative.draft_model: {sp.draft_model} has no safetensors weights, and kiln "
+                         "downloads no pickled weights (pytorch_model.bin can run code when it is loaded): convert "
+                         "the head to safetensors and set engine.speculative.draft_model to that folder")
+    return head
 
 
 def _package_llmapi(ctx: StepContext, quantize_dir: Path, max_seq_len: int) -> PackageResult:

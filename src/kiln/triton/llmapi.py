@@ -243,10 +243,10 @@ def _speculative(recipe: Recipe, draft_path: Optional[str], strict: bool) -> Opt
 
 
 def eagle_head_reference(draft_model: Optional[str]) -> Optional[str]:
-    """What ``speculative_model`` takes for an EAGLE3 head kiln does not package: upstream accepts a Hugging Face Hub
-    id (``org/name``, downloaded when the LLM loads; no revision field) or a local directory, so ``hf:org/name`` is
-    written as ``org/name`` (a pinned ``@revision`` is refused by the recipe rules). A local folder is linked into
-    the repository instead (:data:`EAGLE_DIR`)."""
+    """What ``speculative_model`` takes for an EAGLE3 head kiln did not package (the CPU reference runtime, which does
+    not speculate): upstream accepts a Hugging Face Hub id (``org/name``; no revision field) or a local directory, so
+    ``hf:org/name[@rev]`` is written as ``org/name``. For TensorRT-LLM the package step links the head into the
+    repository instead (:data:`EAGLE_DIR`), a hub head downloaded at its revision."""
     if draft_model and draft_model.startswith(HF_PREFIX):
         return draft_model[len(HF_PREFIX):].partition("@")[0]
     return draft_model
