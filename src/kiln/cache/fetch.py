@@ -27,6 +27,7 @@ from kiln.cache import artifact
 from kiln.cache.errors import CacheError
 from kiln.cache.reference import parse_cache_url
 from kiln.cache.registry import Registry
+from kiln.util.dotted import dotted_get
 
 DONE_MARK = ".kiln-entry"
 """A file in a complete fetched folder naming the manifest digest it holds."""
@@ -44,14 +45,6 @@ def _expectation(text: str) -> tuple[str, str, str]:
     return file, key, value
 
 
-def _lookup(data: object, key: str) -> object:
-    for part in key.split("."):
-        if not isinstance(data, dict) or part not in data:
-            return None
-        data = data[part]
-    return data
-
-
 def check_expectations(folder: Path, expectations: Sequence[tuple[str, str, str]], what: str) -> None:
     """Refused, naming every fact that disagrees, when a recorded value differs from the expected one."""
     problems = []
@@ -61,7 +54,7 @@ def check_expectations(folder: Path, expectations: Sequence[tuple[str, str, str]
         except (OSError, ValueError) as exc:
             problems.append(f"{file}: unreadable ({exc})")
             continue
-        recorded = _lookup(data, key)
+        recorded = dotted_get(data, key)
         if str(recorded) != value:
             problems.append(f"{file} records {key} = {recorded!r}; this deployment's image needs {value!r}")
     if problems:

@@ -13,6 +13,7 @@ from kiln.recipe.formats import format_refusal, kv_cache_format, kv_cache_format
 from kiln.recipe.gpus import GPUSpec, known_gpu_names, lookup_gpu
 from kiln.recipe.containers import JOB_CONTAINERS, LAST_ENGINE_VERSION, has_engine_path
 from kiln.recipe.schema import Recipe, quantization_runtime
+from kiln.util.dotted import dotted_attr
 
 Rule = Callable[[Recipe], Iterator[Problem]]
 RULES: list[Rule] = []
@@ -95,13 +96,6 @@ PYTORCH_REQUIRES: dict[str, tuple[object, str]] = {
 }
 
 
-def _value(r: Recipe, dotted: str) -> object:
-    node: object = r
-    for part in dotted.split("."):
-        node = getattr(node, part)
-    return node
-
-
 @rule
 def pytorch_backend(r: Recipe) -> Iterator[Problem]:
     """What TensorRT-LLM's PyTorch backend (target pytorch) does not have: static batching, a non-paged KV cache,
@@ -109,7 +103,7 @@ def pytorch_backend(r: Recipe) -> Iterator[Problem]:
     if r.target != "pytorch":
         return
     for key, (value, why) in PYTORCH_REQUIRES.items():
-        if _value(r, key) != value:
+        if dotted_attr(r, key) != value:
             yield err(key, why, f"set {key}: {'empty' if value is None else str(value).lower()} (or target: tensorrt)")
     ranks = r.parallelism.tp * r.parallelism.pp
     if ranks > r.hardware.gpus_per_node:

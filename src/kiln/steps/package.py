@@ -237,7 +237,7 @@ def _package_llmapi(ctx: StepContext, quantize_dir: Path, max_seq_len: int) -> P
     from kiln.recipe.schema import llmapi_runtime
     from kiln.steps.quantize import QuantizeResult
     from kiln.steps.runtime_jobs import UNIFIED_DIR
-    from kiln.triton.llmapi_repository import write_llmapi_repository, write_trtllm_serve_files
+    from kiln.triton.llmapi_repository import write_llmapi_repository
 
     r = ctx.recipe
     draft_loaded = _draft_loaded(ctx)

@@ -34,7 +34,7 @@ from typing import Any, Iterator, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict
 
-from kiln.models.tasks import builtin_task_hash, task_name, write_builtin_task
+from kiln.models.tasks import builtin_task_hash, write_builtin_task
 from kiln.recipe.loader import LoadedRecipe
 from kiln.recipe.schema import BUILTIN_PREFIX, Recipe, TaskEntry
 from kiln.steps.base import Gate, StepContext, StepResult, StepSpec

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from kiln.recipe.schema import Recipe
 from kiln.triton.repository import LOGITS_DTYPE
+from kiln.util.dotted import dotted_get
 
 
 
@@ -85,15 +86,6 @@ def expected_engine_config(recipe: Recipe, resolved_max_seq_len: Optional[int]) 
     return want
 
 
-def _lookup(cfg: dict, dotted: str) -> Any:
-    node: Any = cfg
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return _MISSING
-        node = node[part]
-    return node
-
-
 _MISSING = object()
 
 
@@ -107,7 +99,7 @@ def verify_engine_config(recipe: Recipe, engine_cfg: dict, resolved_max_seq_len:
     """Differences between the built engine's config.json and the recipe (empty list: they agree)."""
     problems = []
     for key, want in expected_engine_config(recipe, resolved_max_seq_len).items():
-        got = _lookup(engine_cfg, key)
+        got = dotted_get(engine_cfg, key, _MISSING)
         if got is _MISSING:
             problems.append(f"{key}: missing from the engine config (recipe wants {want!r})")
         elif not _same(want, got):

@@ -15,25 +15,10 @@ from kiln.recipe.gpus import lookup_gpu
 from kiln.recipe.rules import PYTORCH_REQUIRES, check_rules
 from kiln.recipe.schema import Recipe, llmapi_runtime, quantization_runtime
 from kiln.triton.llmapi import RECIPE_MAPPING, llm_args_for
-
-
-def _value(recipe: Recipe, dotted: str) -> Any:
-    node: Any = recipe
-    for part in dotted.split("."):
-        node = getattr(node, part)
-    return node
+from kiln.util.dotted import dotted_attr, dotted_get
 
 
 _MISSING = object()
-
-
-def _arg(args: dict, path: str) -> Any:
-    node: Any = args
-    for part in path.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return _MISSING
-        node = node[part]
-    return node
 
 
 def _show(value: Any) -> str:
@@ -71,16 +56,16 @@ def migration_view(recipe: Recipe) -> list[str]:
         if key.startswith("engine.speculative.") and key != "engine.speculative.mode" \
                 and recipe.engine.speculative.mode == "none":
             continue  # no speculative decoding: its settings carry nothing
-        value = _show(_value(recipe, key))
+        value = _show(dotted_attr(recipe, key))
         if kind == "arg":
-            emitted = _arg(args, what.split(" ")[0])
+            emitted = dotted_get(args, what.split(" ")[0], _MISSING)
             suffix = "" if emitted is _MISSING or isinstance(emitted, dict) else f" = {_show(emitted)}"
             if emitted is _MISSING and value == "empty":
                 suffix = " (not written: TensorRT-LLM's default)"
             groups["arg"].append(f"    {key}: {value} → {what}{suffix}")
         elif kind == "refused":
             need, why = PYTORCH_REQUIRES[key]
-            ok = _value(recipe, key) == need
+            ok = dotted_attr(recipe, key) == need
             line = f"    {key}: {value}" + ("" if ok else f" (needs {_show(need)})") + f": {why}"
             groups["same" if ok else "refused"].append(line)
         else:

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from kiln.triton.deploy.info import LWS_API_VERSION, LWS_KIND
+from kiln.util.dotted import dotted_get
 
 #: Kubernetes versions the manifests are validated against by default: the oldest kiln supports (a
 #: version every ``kubernetes-validate>=1.30`` bundles) and the newest the installed package bundles.
@@ -89,14 +90,6 @@ _LWS_NESTED = {
 }
 
 
-def _get(doc: Any, dotted: str) -> Any:
-    for key in dotted.split("."):
-        if not isinstance(doc, dict) or key not in doc:
-            return None
-        doc = doc[key]
-    return doc
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -130,18 +123,18 @@ def _check_lws(doc: dict[str, Any], where: str, versions: Sequence[str]) -> list
     if not _is_int(size) or size < 1:
         problems.append(f"{where}: spec.leaderWorkerTemplate.size: {size!r} is not an integer ≥ 1")
     for dotted, allowed in _LWS_NESTED.items():
-        value = _get(doc, dotted)
+        value = dotted_get(doc, dotted)
         if value is not None:
             unknown(value, allowed, dotted)
     for dotted, key in _LWS_REQUIRED.items():
-        value = _get(doc, dotted)
+        value = dotted_get(doc, dotted)
         if isinstance(value, dict) and key not in value:
             problems.append(f"{where}: {dotted}.{key}: missing (required)")
     for dotted, values in _LWS_ENUMS.items():
-        value = _get(doc, dotted)
+        value = dotted_get(doc, dotted)
         if value is not None and value not in values:
             problems.append(f"{where}: {dotted}: {value!r} is not one of {', '.join(sorted(values))}")
-    sub_size = _get(doc, "spec.leaderWorkerTemplate.subGroupPolicy.subGroupSize")
+    sub_size = dotted_get(doc, "spec.leaderWorkerTemplate.subGroupPolicy.subGroupSize")
     if sub_size is not None and (not _is_int(sub_size) or sub_size < 1 or (_is_int(size) and sub_size > size)):
         problems.append(f"{where}: spec.leaderWorkerTemplate.subGroupPolicy.subGroupSize: {sub_size!r} must be 1..size")
     if "workerTemplate" not in lwt:
@@ -166,10 +159,10 @@ def _pod_templates(doc: dict[str, Any], where: str) -> list[tuple[str, Any]]:
     """``(label, pod template)`` of every pod an object creates."""
     kind = doc.get("kind")
     if kind == LWS_KIND:
-        lwt = _get(doc, "spec.leaderWorkerTemplate") or {}
+        lwt = dotted_get(doc, "spec.leaderWorkerTemplate") or {}
         return [(f"{where} {role}", lwt[role]) for role in ("leaderTemplate", "workerTemplate") if role in lwt]
     if kind in {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}:
-        return [(f"{where} template", _get(doc, "spec.template"))]
+        return [(f"{where} template", dotted_get(doc, "spec.template"))]
     if kind == "Pod":
         return [(where, doc)]
     return []
@@ -229,7 +222,7 @@ def _check_pod(template: Any, where: str, *, probes: bool = True) -> list[str]:
 
 
 def _check_names(doc: dict[str, Any], where: str) -> list[str]:
-    name = _get(doc, "metadata.name")
+    name = dotted_get(doc, "metadata.name")
     if not isinstance(name, str) or not name:
         return [f"{where}: metadata.name: missing"]
     if len(name) > 63 or not _DNS1123_LABEL.match(name):
@@ -264,7 +257,7 @@ def validate_manifests(paths: Sequence[Path], *, kubernetes_versions: Sequence[s
             if not isinstance(doc, dict) or not doc.get("apiVersion") or not doc.get("kind"):
                 problems.append(f"{path}: an object without apiVersion and kind")
                 continue
-            where = f"{path.name}: {doc['kind']}/{_get(doc, 'metadata.name')}"
+            where = f"{path.name}: {doc['kind']}/{dotted_get(doc, 'metadata.name')}"
             if doc["kind"] == LWS_KIND:
                 if doc["apiVersion"] != LWS_API_VERSION:
                     problems.append(f"{where}: apiVersion {doc['apiVersion']!r}; kiln writes {LWS_API_VERSION}")
