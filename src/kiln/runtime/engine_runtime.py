@@ -306,6 +306,21 @@ class EngineRuntime:
         return dict(os.environ)
 
 
+def gpu_flags(engine: str, gpus: str = "all") -> list[str]:
+    """How docker or podman hands a container the GPUs (``all`` or a comma-separated list of indices): docker's
+    NVIDIA Container Toolkit ``--gpus``, podman's CDI devices (with SELinux labels off, as NVIDIA's CDI guide says)."""
+    if engine == "podman":
+        devices = ["all"] if gpus == "all" else gpus.split(",")
+        return [a for dev in devices for a in ("--device", f"nvidia.com/gpu={dev}")] + ["--security-opt",
+                                                                                       "label=disable"]
+    return ["--gpus", "all" if gpus == "all" else f'"device={gpus}"']
+
+
+def ulimit_flags() -> list[str]:
+    """NVIDIA's documented ulimits for TensorRT-LLM containers (:data:`ULIMITS`)."""
+    return [a for limit in ULIMITS for a in ("--ulimit", limit)]
+
+
 def _container_name(job: Job, mounts: Mapping[str, Mount]) -> str:
     """A name that says what runs and is unique per output directory (one writer per output, under its lock)."""
     import hashlib
@@ -385,19 +400,10 @@ class ContainerRuntime(EngineRuntime):
             for key, value in env.items():
                 argv += ["--env", f"{key}={value}"]
             return [*argv, "--pwd", workdir, self._image_uri(), *job.argv(paths)]
-        argv = [self.exe, "run", "--rm", "--name", _container_name(job, mounts)]
-        if self.engine == "podman":
-            devices = ["all"] if self.gpus == "all" else self.gpus.split(",")
-            for dev in devices:
-                argv += ["--device", f"nvidia.com/gpu={dev}"]
-            argv += ["--security-opt", "label=disable"]
-            if self._rootless():  # rootful podman refuses keep-id; it maps uids 1:1, --user suffices
-                argv += ["--userns", "keep-id"]
-        else:
-            argv += ["--gpus", "all" if self.gpus == "all" else f'"device={self.gpus}"']
-        argv += ["--ipc=host"]
-        for limit in ULIMITS:
-            argv += ["--ulimit", limit]
+        argv = [self.exe, "run", "--rm", "--name", _container_name(job, mounts), *gpu_flags(self.engine, self.gpus)]
+        if self.engine == "podman" and self._rootless():  # rootful podman refuses keep-id; it maps uids 1:1
+            argv += ["--userns", "keep-id"]
+        argv += ["--ipc=host", *ulimit_flags()]
         if self.engine != "podman":  # podman refuses --shm-size with --ipc=host (the host's /dev/shm is shared)
             argv += [f"--shm-size={self.shm_size}"]
         argv += ["--user", f"{self.user[0]}:{self.user[1]}"]

@@ -246,7 +246,7 @@ def docker_command(repo: Path, info: dict, cfg: ServerConfig, engine: str = "doc
 
     podman gets the GPUs through CDI (``--device nvidia.com/gpu=all``) and no ``--shm-size``, which it refuses
     beside ``--ipc=host``; the command is checked against the engines' documented rules like every job's."""
-    from kiln.runtime.engine_runtime import argv_problems
+    from kiln.runtime.engine_runtime import argv_problems, gpu_flags, ulimit_flags
 
     image = info.get("container")
     if not image:
@@ -280,11 +280,8 @@ def docker_command(repo: Path, info: dict, cfg: ServerConfig, engine: str = "doc
     host_ports = {"--http-port": cfg.http_port, "--grpc-port": cfg.grpc_port, "--metrics-port": cfg.metrics_port}
     ports = [f"-p{cfg.host}:{host_ports[flag]}:{port}" for flag, port in container_ports.items()]
     inner = (shlex.join(check) + " && " if check else "") + "exec " + shlex.join(server)
-    if engine == "podman":
-        gpus = ["--device", "nvidia.com/gpu=all", "--security-opt", "label=disable", "--ipc=host"]
-    else:
-        gpus = ["--gpus", "all", "--ipc=host", "--shm-size=4g"]
-    argv = [exe or engine, "run", "--rm", *gpus, "--ulimit", "memlock=-1", "--ulimit", "stack=67108864", *ports,
+    shm = [] if engine == "podman" else ["--shm-size=4g"]  # podman refuses it beside --ipc=host
+    argv = [exe or engine, "run", "--rm", *gpu_flags(engine), "--ipc=host", *shm, *ulimit_flags(), *ports,
             "-v", f"{Path(repo).resolve()}:/models:ro", image, "bash", "-c", inner]
     problems = argv_problems(engine, argv, rootless=True, host_env=os.environ)
     if problems:
